@@ -1,0 +1,1 @@
+"""Triton kernel autotuning cache (graft-autotune). Built in its own issue."""

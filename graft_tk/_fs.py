@@ -1,0 +1,58 @@
+"""Cache locations and atomic writes: a reader never sees a half-written file."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def graft_home() -> Path:
+    """Root of every cache graft_tk writes: ``$GRAFT_TK_HOME``, default ``~/.cache/graft_tk``."""
+    return Path(os.environ.get("GRAFT_TK_HOME", Path.home() / ".cache" / "graft_tk")).expanduser()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same folder and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path):
+    """Yield a fresh temp folder beside ``final``; on success it is renamed to ``final``.
+
+    On any error the temp folder is removed, so ``final`` is either complete or absent.
+    An existing ``final`` is replaced only after the new one is complete.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        if final.exists():
+            old = final.with_name(f".{final.name}.old.{os.getpid()}")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

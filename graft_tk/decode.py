@@ -1,0 +1,105 @@
+"""``decode``: the public entry point. Prompt in, tokens and statistics out."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .errors import InputError
+from .models import Model
+from .sampling import check_sampling_args, next_token
+
+METHODS = ("ar",)
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]   # the new token ids (prompt excluded), EOS included when it was produced
+    text: str           # the new tokens decoded, special tokens skipped
+    stats: dict = field(default_factory=dict)
+
+
+def encode_prompt(model: Model, prompt: str | Sequence[int] | torch.Tensor, chat: bool) -> list[int]:
+    """A string (chat template applied when ``chat`` and the model has one) or token ids -> ids."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise InputError("the prompt is empty; pass some text or token ids")
+        tok = model.tokenizer
+        if chat and tok.chat_template is not None:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False)
+        return tok.encode(prompt, add_special_tokens=True)
+    ids = prompt.flatten().tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+    if not ids:
+        raise InputError("the prompt is empty; pass some text or token ids")
+    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < model.config.vocab_size)]
+    if bad:
+        raise InputError(f"prompt token ids must be ints in [0, {model.config.vocab_size}); got e.g. {bad[:3]}")
+    return ids
+
+
+def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter: Model | None = None,
+           method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+           seed: int | None = None, chat: bool = True,
+           on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt`` with ``target``.
+
+    method: "ar" (plain decoding). Speculative methods arrive with the engine.
+    temperature: 0 = greedy; > 0 samples from softmax(logits / temperature) cut to ``top_p``.
+    seed: makes sampling reproducible.
+    chat: apply the model's chat template to a string prompt.
+    on_tokens: called with each batch of newly committed token ids (streaming).
+    """
+    if method not in METHODS:
+        raise InputError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    check_sampling_args(temperature, top_p)
+    ids = encode_prompt(target, prompt, chat)
+    context = target.config.max_position_embeddings
+    if len(ids) + max_new_tokens > context:
+        raise InputError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+                         f"context of {context} tokens; shorten the prompt or lower max_new_tokens")
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=target.device)
+        generator.manual_seed(seed if seed is not None else torch.seed())
+    with torch.inference_mode():
+        tokens, stats = _decode_ar(target, ids, max_new_tokens, temperature, top_p, generator, on_tokens)
+    return DecodeResult(tokens=tokens, text=target.tokenizer.decode(tokens), stats=stats)
+
+
+def _decode_ar(model: Model, ids: list[int], max_new_tokens: int, temperature: float, top_p: float,
+               generator, on_tokens) -> tuple[list[int], dict]:
+    """Plain autoregressive decoding: one target forward per token."""
+    net, device = model.net, model.device
+    eos = set(model.eos_token_ids)
+    t0 = time.perf_counter()
+    n = len(ids)
+    net.setup_cache(n + max_new_tokens)
+    out: list[int] = []
+    if max_new_tokens > 0:
+        logits = net(torch.tensor([ids], device=device), torch.arange(n, device=device), 0, last_only=True)
+        t_prefill = time.perf_counter() - t0
+        pos = n
+        while True:
+            tok = next_token(logits[:, -1], temperature, top_p, generator)  # [1]
+            t = int(tok)  # one host sync per token: the stop test and streaming need the value
+            out.append(t)
+            if on_tokens is not None:
+                on_tokens([t])
+            if t in eos or len(out) == max_new_tokens:
+                break
+            logits = net(tok[:, None], torch.tensor([pos], device=device), pos)
+            pos += 1
+    else:
+        t_prefill = 0.0
+    seconds = time.perf_counter() - t0
+    stats = {
+        "method": "ar", "prompt_tokens": n, "tokens": len(out), "steps": len(out),
+        "target_forwards": len(out), "mat": 1.0, "seconds": seconds, "prefill_seconds": t_prefill,
+        "tokens_per_s": len(out) / seconds if seconds > 0 else 0.0,
+    }
+    return out, stats

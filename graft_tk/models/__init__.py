@@ -1,0 +1,131 @@
+"""``load_model``: a registry name, a checkpoint folder, a .gguf file or a cached HF repo id -> Model."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError, ModelNotFoundError
+from . import registry
+from .checkpoint import load_transformer, read_config
+from .tokenizer import Tokenizer
+from .transformer import ModelConfig, Transformer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Model", "ModelConfig", "Transformer", "Tokenizer", "load_model", "parse_dtype"]
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass(eq=False)
+class Model:
+    """A loaded model: the network, its config and tokenizer, and where it came from."""
+    name: str
+    path: Path          # the checkpoint folder the weights were read from
+    config: ModelConfig
+    tokenizer: Tokenizer
+    net: Transformer
+
+    @property
+    def device(self) -> torch.device:
+        return self.net.lm_head_weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.net.lm_head_weight.dtype
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Model({self.name!r}, {c.arch}, {c.n_layers} layers, dim {c.dim}, "
+                f"{self.dtype}, {self.device})")
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    if dtype is None:
+        # bf16 is the fast path on GPUs and on CPUs with AVX-512 BF16 / AMX; pass "fp32" for exactness checks.
+        return torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise InputError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_model(name_or_path: str | Path, *, dtype=None, device=None, num_layers: int | None = None,
+               progress: bool = True) -> Model:
+    """Load a model for decoding.
+
+    name_or_path: a built-in name (``smollm2-135m``, ``qwen2.5-coder-1.5b``, ``qwen2.5-coder-0.5b``),
+        a checkpoint folder (config.json + tokenizer.json + *.safetensors), a ``.gguf`` file, or a
+        Hugging Face repo id / alias (``qwen3``) already in the local HF cache.
+    dtype: torch dtype or "fp32" / "bf16" / "fp16"; default bf16.
+    device: default "cuda" when available, else "cpu".
+    num_layers: keep only the first L decoder layers (+ final norm and head) — a self-drafter.
+    """
+    if num_layers is not None and num_layers < 1:
+        raise InputError(f"num_layers must be >= 1, got {num_layers}")
+    t0 = time.perf_counter()
+    name, path = resolve(str(name_or_path), progress)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg = read_config(path, num_layers)
+    tokenizer = Tokenizer(path)
+    net = load_transformer(path, cfg, parse_dtype(dtype), device)
+    if num_layers is not None:
+        name = f"{name}[:{num_layers}]"
+    log.info("loaded %s from %s in %.1fs", name, path, time.perf_counter() - t0)
+    return Model(name=name, path=path, config=cfg, tokenizer=tokenizer, net=net)
+
+
+def resolve(name: str, progress: bool = True) -> tuple[str, Path]:
+    """(display name, checkpoint folder) for anything ``load_model`` accepts."""
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelNotFoundError(f"{p} is a folder without config.json; pass a Hugging Face checkpoint "
+                                     "folder (config.json, tokenizer.json, *.safetensors) or a .gguf file")
+        return p.name, p
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise ModelNotFoundError(f"GGUF file {p} does not exist; check the path")
+        # Keyed by path, size and mtime: a changed file gets a fresh conversion without re-hashing.
+        st = p.stat()
+        key = hashlib.sha1(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        return p.stem, _converted(p, f"gguf-{p.stem}-{key}", key, progress)
+    if name in registry.REGISTRY:
+        entry = registry.REGISTRY[name]
+        out = registry.converted_dir(name)
+        if registry.stamp_ok(out, entry.sha256):
+            return name, out
+        return name, _converted(registry.fetch_gguf(entry, progress), name, entry.sha256, progress)
+    repo_id = registry.HF_ALIASES.get(name, name)
+    if "/" in repo_id:
+        snap = registry.find_in_hf_cache(repo_id)
+        if snap is not None:
+            return repo_id, snap
+    raise registry.not_found(name)
+
+
+def _converted(gguf_path: Path, dir_name: str, source_key: str, progress: bool) -> Path:
+    from .gguf import convert_gguf  # imports the gguf package only when a conversion is needed
+
+    out = registry.converted_dir(dir_name)
+    if registry.stamp_ok(out, source_key):
+        return out
+    if out.exists():
+        log.warning("%s is incomplete or stale; converting %s again", out, gguf_path)
+    convert_gguf(gguf_path, out, progress=progress)
+    registry.write_stamp(out, source_key)
+    return out

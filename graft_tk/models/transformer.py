@@ -1,0 +1,232 @@
+"""One decoder-only transformer for the Llama, Qwen2 and Qwen3 families (gpt-fast style).
+
+Differences between the families are three switches on ``ModelConfig``:
+  llama  — plain RMSNorm/SwiGLU/RoPE decoder (SmolLM2, Llama 3)
+  qwen2  — + bias on q/k/v projections
+  qwen3  — + RMSNorm on each head of q and k before RoPE (no bias)
+
+The KV cache is static and lives in ONE tensor ``kv[L, 2, B, Hkv, S, Dh]`` so that committing an
+accepted tree path moves every layer's K and V with a single indexed copy.
+
+Speculative decoding needs two things from the forward pass:
+  * tree attention: new tokens are written to cache slots ``[start, start + T)`` and a bool
+    ``attn_mask[T, start + T]`` says which cached slots each new token may see (its prefix and
+    its own ancestors). Without a mask the new tokens attend causally.
+  * explicit positions: a tree node's RoPE position is ``prefix_len + depth``, not its slot.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # llama3-style frequency scaling as sorted (key, value) pairs; None for plain RoPE.
+    rope_scaling: tuple[tuple[str, float], ...] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.arch == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch == "qwen3"
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch {self.arch!r} is not one of {ARCHS}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 and cast back before the weight, as the reference checkpoints were
+        # trained; in bf16 doing the multiply in fp32 instead changes greedy outputs.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse RoPE frequencies [head_dim // 2], with llama3 long-context scaling if configured."""
+    # fp32 as the checkpoints' reference code computes it: with theta = 5e5 an fp64 table drifts
+    # from it by 4e-3 in the logits within 40 positions.
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    if cfg.rope_scaling is None:
+        return inv_freq
+    s = dict(cfg.rope_scaling)
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    scaled = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    return scaled
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [B, H, T, Dh]; cos/sin: [B, 1, T, Dh] (frequencies repeated over both halves).
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        # q, k and v in one matmul: one weight read instead of three per token (a decode step on
+        # CPU is memory-bound).
+        self.wqkv = nn.Linear(cfg.dim, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q_size, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, start: int,
+                attn_mask: Tensor | None) -> Tensor:
+        # x: [B, T, dim]; kv: this layer's cache [2, B, Hkv, S, Dh]
+        B, T, _ = x.shape
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+
+        end = start + T
+        kv[0, :, :, start:end] = k
+        kv[1, :, :, start:end] = v
+        keys, values = kv[0, :, :, :end], kv[1, :, :, :end]
+        if attn_mask is None and T == 1:
+            out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+        else:
+            if attn_mask is None:
+                attn_mask = causal_mask(start, T, x.device)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(B, T, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.intermediate_size, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cos, sin, kv, start, attn_mask):
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, start, attn_mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+def causal_mask(start: int, T: int, device) -> Tensor:
+    """[T, start + T] bool: new token i sees every cached slot and new tokens 0..i."""
+    cols = torch.arange(start + T, device=device)
+    rows = torch.arange(T, device=device)[:, None] + start
+    return cols[None, :] <= rows
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.kv: Tensor | None = None  # [L, 2, B, Hkv, S, Dh], see setup_cache
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    @property
+    def cache_len(self) -> int:
+        return 0 if self.kv is None else self.kv.shape[4]
+
+    def setup_cache(self, max_seq_len: int, batch_size: int = 1) -> None:
+        """Allocate the static KV cache; kept when it is already large enough for this batch."""
+        c = self.config
+        if self.kv is not None and self.kv.shape[2] == batch_size and self.kv.shape[4] >= max_seq_len:
+            return
+        w = self.lm_head_weight
+        self.kv = torch.zeros(c.n_layers, 2, batch_size, c.n_kv_heads, max_seq_len, c.head_dim,
+                              dtype=w.dtype, device=w.device)
+
+    def forward(self, tokens: Tensor, positions: Tensor, start: int,
+                attn_mask: Tensor | None = None, last_only: bool = False) -> Tensor:
+        """Run new tokens against the cache and return logits (fp32).
+
+        tokens:    [B, T] int64 token ids, written to cache slots [start, start + T)
+        positions: [B, T] or [T] int64 RoPE positions (prefix_len + depth for tree nodes)
+        attn_mask: [T, start + T] bool, True = may attend; None = causal
+        last_only: return logits of the last token only ([B, 1, V]), e.g. after prefill
+        returns    [B, T, V] float32
+        """
+        if self.kv is None or start + tokens.shape[1] > self.cache_len:
+            raise RuntimeError(f"KV cache holds {self.cache_len} slots; call setup_cache(>= {start + tokens.shape[1]})")
+        if positions.dim() == 1:
+            positions = positions[None].expand(tokens.shape[0], -1)
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, Dh/2]
+        freqs = torch.cat((freqs, freqs), dim=-1)[:, None]     # [B, 1, T, Dh]
+        x = self.tok_embeddings(tokens)
+        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, self.kv[i], start, attn_mask)
+        if last_only:
+            x = x[:, -1:]
+        return F.linear(self.norm(x), self.lm_head_weight).float()
+
+    def commit_kv(self, src_slots: Tensor, dst_start: int) -> None:
+        """Move the KV at ``src_slots`` [n] (all layers) into slots [dst_start, dst_start + n).
+
+        Used after tree verification: the accepted path's nodes are scattered over the tree
+        block and must become a contiguous continuation of the prefix.
+        """
+        n = src_slots.shape[0]
+        self.kv[:, :, :, :, dst_start:dst_start + n] = self.kv[:, :, :, :, src_slots]
