@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..errors import CorruptFileError, UnsupportedModelError
+from ..errors import CorruptFileError, InputError, UnsupportedModelError
 from .transformer import ModelConfig, Transformer, rope_inv_freq
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def config_from_hf(hf: dict, source: Path, num_layers: int | None = None) -> Mod
     n_layers = hf["num_hidden_layers"]
     if num_layers is not None:
         if not 1 <= num_layers <= n_layers:
-            raise UnsupportedModelError(f"num_layers={num_layers} but {source} has {n_layers} layers; "
+            raise InputError(f"num_layers={num_layers} but {source} has {n_layers} layers; "
                                         f"pick 1..{n_layers}")
         n_layers = num_layers
     # transformers < 5 writes rope_theta + rope_scaling; >= 5 writes one rope_parameters dict.

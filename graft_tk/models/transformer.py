@@ -195,8 +195,11 @@ class Transformer(nn.Module):
         if self.kv is not None and self.kv.shape[2] == batch_size and self.kv.shape[4] >= max_seq_len:
             return
         w = self.lm_head_weight
-        self.kv = torch.zeros(c.n_layers, 2, batch_size, c.n_kv_heads, max_seq_len, c.head_dim,
-                              dtype=w.dtype, device=w.device)
+        # A normal tensor even when called under inference_mode: an inference tensor could not be
+        # written in place later by a caller outside inference_mode.
+        with torch.inference_mode(False):
+                self.kv = torch.zeros(c.n_layers, 2, batch_size, c.n_kv_heads, max_seq_len, c.head_dim,
+                                  dtype=w.dtype, device=w.device)
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int,
                 attn_mask: Tensor | None = None, last_only: bool = False) -> Tensor:

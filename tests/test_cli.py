@@ -1,0 +1,38 @@
+"""Console scripts, run as a user runs them."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, input=stdin, timeout=300)
+
+
+def test_generate_json(smollm2):
+    r = run("graft_tk.cli.generate", "--model", "smollm2-135m", "--dtype", "fp32", "--prompt", "Say hi.",
+            "--max-new-tokens", "6", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["model"] == "smollm2-135m" and 0 < len(out["tokens"]) <= 6
+    assert out["stats"]["tokens"] == len(out["tokens"]) and out["stats"]["tokens_per_s"] > 0
+
+
+def test_generate_streams_text_then_stats_from_stdin(smollm2):
+    r = run("graft_tk.cli.generate", "--model", "smollm2-135m", "--max-new-tokens", "8", stdin="Say hi.")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "tok/s" in r.stderr
+
+
+def test_generate_unknown_model_exits_2_with_the_list():
+    r = run("graft_tk.cli.generate", "--model", "nope", "--prompt", "x")
+    assert r.returncode == 2
+    assert "unknown model 'nope'" in r.stderr and "smollm2-135m" in r.stderr
+
+
+@pytest.mark.parametrize("tool", ["calibrate", "bench", "autotune"])
+def test_unbuilt_tools_say_so(tool):
+    r = subprocess.run([sys.executable, "-c", f"from graft_tk.cli.stubs import {tool}; {tool}()"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "not built yet" in r.stderr

@@ -1,0 +1,130 @@
+"""Token-Recycling reference: successor-matrix updates, templates, root-parallel retrieval."""
+import pytest
+import torch
+
+from graft_tk.reference.retrieval import (RetrievalTemplate, default_template, new_adjacency, retrieve,
+                                          template_from_level_sizes, update_adjacency, warm_adjacency)
+
+V, K = 16, 2
+
+
+def logits_ranking(*ranked, vocab=V):
+    """A logits row whose top tokens are ``ranked`` in that order (the rest far below)."""
+    row = torch.full((vocab,), -10.0)
+    for i, t in enumerate(ranked):
+        row[t] = 5.0 - i
+    return row
+
+
+def small_template():
+    # root -> {r0, r1}; r0 -> {r0, r1}; r1 -> {r0}; (r0, r0) -> {r0}
+    return RetrievalTemplate(torch.tensor([-1, -1, 0, 0, 1, 2]), torch.tensor([0, 1, 0, 1, 0, 0]), k=K)
+
+
+def test_new_adjacency_is_empty():
+    adj = new_adjacency(V, K)
+    assert adj.shape == (V, K) and adj.dtype == torch.int32 and (adj == -1).all()
+
+
+def test_retrieve_walks_levels():
+    adj = new_adjacency(V, K)
+    adj[5] = torch.tensor([7, 9], dtype=torch.int32)
+    adj[7] = torch.tensor([3, 4], dtype=torch.int32)
+    adj[9] = torch.tensor([8, 2], dtype=torch.int32)
+    adj[3] = torch.tensor([1, 0], dtype=torch.int32)
+    t = small_template()
+    assert t.levels == ((0, 2), (2, 5), (5, 6))
+    assert torch.equal(t.depth, torch.tensor([1, 1, 2, 2, 2, 3], dtype=torch.int32))
+    out = retrieve(adj, torch.tensor(5), t)
+    assert out.dtype == torch.int64
+    assert torch.equal(out, torch.tensor([7, 9, 3, 4, 8, 1]))
+    assert torch.equal(retrieve(adj, torch.tensor([5]), t), out)  # [1] root works like 0-dim
+
+
+def test_empty_rows_propagate_minus_one():
+    adj = new_adjacency(V, K)
+    adj[5] = torch.tensor([7, -1], dtype=torch.int32)  # empty column: node 1 and its child 4 missing
+    adj[7] = torch.tensor([3, 4], dtype=torch.int32)   # row 3 empty: node 5 missing
+    out = retrieve(adj, torch.tensor(5), small_template())
+    assert torch.equal(out, torch.tensor([7, -1, 3, 4, -1, -1]))
+    # An unseen root token: everything is -1.
+    assert torch.equal(retrieve(adj, torch.tensor(0), small_template()), torch.full((6,), -1))
+
+
+def test_update_writes_topk_rows():
+    adj = new_adjacency(V, K)
+    tokens = torch.tensor([2, 6])
+    logits = torch.stack([logits_ranking(11, 12), logits_ranking(13, 14)])
+    update_adjacency(adj, tokens, logits)
+    assert torch.equal(adj[2], torch.tensor([11, 12], dtype=torch.int32))
+    assert torch.equal(adj[6], torch.tensor([13, 14], dtype=torch.int32))
+    assert (adj[[0, 1, 3, 4, 5]] == -1).all()
+
+
+def test_update_order_last_writer_wins():
+    # Token 3 sits at nodes 0, 2 and 3; the row must come from whichever is last in `order`.
+    tokens = torch.tensor([3, 1, 3, 3])
+    logits = torch.stack([logits_ranking(10, 11), logits_ranking(4, 5),
+                          logits_ranking(12, 13), logits_ranking(14, 15)])
+    adj = update_adjacency(new_adjacency(V, K), tokens, logits)
+    assert torch.equal(adj[3], torch.tensor([14, 15], dtype=torch.int32))      # default order: node 3
+    adj = update_adjacency(new_adjacency(V, K), tokens, logits, order=torch.tensor([3, 1, 2, 0]))
+    assert torch.equal(adj[3], torch.tensor([10, 11], dtype=torch.int32))      # node 0 written last
+    adj = update_adjacency(new_adjacency(V, K), tokens, logits, order=torch.tensor([0, 3, 2, 1]))
+    assert torch.equal(adj[3], torch.tensor([12, 13], dtype=torch.int32))      # node 2 last among 3s
+    assert torch.equal(adj[1], torch.tensor([4, 5], dtype=torch.int32))
+
+
+def test_warm_from_prefill():
+    prompt = torch.tensor([1, 2, 1, 3])
+    logits = torch.stack([logits_ranking(2, 9), logits_ranking(1, 8),
+                          logits_ranking(3, 7), logits_ranking(6, 5)])
+    adj = warm_adjacency(new_adjacency(V, K), prompt, logits)
+    assert torch.equal(adj[1], torch.tensor([3, 7], dtype=torch.int32))   # later occurrence of 1 wins
+    assert torch.equal(adj[2], torch.tensor([1, 8], dtype=torch.int32))
+    assert torch.equal(adj[3], torch.tensor([6, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="logits must be"):
+        warm_adjacency(adj, prompt, logits[:, :8])
+
+
+def test_default_template_shape():
+    t = default_template()
+    assert t.n == 80 and t.k == 8
+    assert t.level_sizes() == [8, 21, 25, 15, 8, 3]
+    assert torch.equal(t.ranks[:8], torch.arange(8, dtype=torch.int32))
+    # Lower ranks get more children: each level-1 node has at least as many as the next.
+    kids = torch.bincount(t.parents[8:29].long(), minlength=8)
+    assert (kids[:-1] >= kids[1:]).all() and kids[0] > kids[-1]
+    # Each parent's children are ranks 0..m-1 (a prefix), and retrieval runs on it.
+    adj = torch.randint(0, 32, (32, 8), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    out = retrieve(adj, torch.tensor(1), t)
+    assert out.shape == (80,) and (out >= 0).all()
+
+
+def test_template_validation():
+    with pytest.raises(ValueError, match=r"rank 2; ranks must be in \[0, k=2\)"):
+        RetrievalTemplate(torch.tensor([-1, 0]), torch.tensor([0, 2]), k=2)
+    with pytest.raises(ValueError, match="parent 1; need -1"):
+        RetrievalTemplate(torch.tensor([-1, 1]), torch.tensor([0, 0]), k=2)
+    with pytest.raises(ValueError, match="breaks BFS order"):
+        RetrievalTemplate(torch.tensor([-1, 0, -1]), torch.tensor([0, 0, 1]), k=2)
+    with pytest.raises(ValueError, match="repeats"):
+        RetrievalTemplate(torch.tensor([-1, -1]), torch.tensor([0, 0]), k=2)
+    with pytest.raises(ValueError, match="level 1 size"):
+        template_from_level_sizes([9], k=8)
+    with pytest.raises(ValueError, match="level 2 size"):
+        template_from_level_sizes([2, 5], k=2)
+    with pytest.raises(ValueError, match="adj has only"):
+        retrieve(new_adjacency(V, 1), torch.tensor(0), small_template())
+
+
+def test_update_matches_sequential_writes():
+    # Many duplicates and a shuffled order vs the obvious Python loop (the definition).
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 5, (40,), generator=g)
+    logits = torch.randn(40, V, generator=g)
+    order = torch.randperm(40, generator=g)
+    expected = new_adjacency(V, 3)
+    for i in order.tolist():
+        expected[tokens[i]] = torch.topk(logits[i], 3).indices.to(torch.int32)
+    assert torch.equal(update_adjacency(new_adjacency(V, 3), tokens, logits, order), expected)
