@@ -13,6 +13,13 @@ def graft_home() -> Path:
     return Path(os.environ.get("GRAFT_TK_HOME", Path.home() / ".cache" / "graft_tk")).expanduser()
 
 
+def _umask_mode(base: int) -> int:
+    """``base`` less the process umask: mkstemp/mkdtemp create 0600/0700, a cache should not."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return base & ~umask
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temp file in the same folder and ``os.replace``."""
     path = Path(path)
@@ -23,6 +30,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _umask_mode(0o666))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -44,9 +52,7 @@ def atomic_dir(final: Path):
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the cache should read like any folder
+    os.chmod(tmp, _umask_mode(0o777))
     try:
         yield tmp
         if final.exists():
