@@ -7,11 +7,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from .config import METHODS, USES_DRAFTER, GraftConfig
+from .engine import Engine
 from .errors import InputError
 from .models import Model
 from .sampling import check_sampling_args, next_token
-
-METHODS = ("ar",)
 
 
 @dataclass
@@ -42,11 +42,16 @@ def encode_prompt(model: Model, prompt: str | Sequence[int] | torch.Tensor, chat
 
 def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter: Model | None = None,
            method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-           seed: int | None = None, chat: bool = True,
-           on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
+           seed: int | None = None, chat: bool = True, config: GraftConfig | None = None,
+           engine: Engine | None = None, on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` with ``target``.
 
-    method: "ar" (plain decoding). Speculative methods arrive with the engine.
+    method: "ar" (plain decoding), or a speculative method at budget ``config.budget``:
+        "tree" (drafter only, fixed depth), "pruned" (drafter, dynamic depth), "retrieval"
+        (adjacency matrix only), "graft" (pruned drafter tree + retrieval in the freed budget).
+    drafter: a Model with the target's tokenizer (e.g. load_model(name, num_layers=L)).
+    config: GraftConfig (N, tau, K, D, retrieval k and template); default GraftConfig().
+    engine: an Engine to reuse across calls, so the adjacency matrix stays warm.
     temperature: 0 = greedy; > 0 samples from softmax(logits / temperature) cut to ``top_p``.
     seed: makes sampling reproducible.
     chat: apply the model's chat template to a string prompt.
@@ -54,6 +59,14 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
     """
     if method not in METHODS:
         raise InputError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+    if engine is not None:
+        target, drafter, config = engine.target, engine.drafter, engine.config
+    if method in USES_DRAFTER and drafter is None:
+        raise InputError(f"method {method!r} needs a drafter: pass drafter=load_model(...) (a small model with the "
+                         "same tokenizer, or the target's first layers via num_layers=L)")
+    if drafter is not None and drafter.config.vocab_size != target.config.vocab_size:
+        raise InputError(f"drafter {drafter.name} has vocab {drafter.config.vocab_size}, target {target.name} has "
+                         f"{target.config.vocab_size}; the drafter must share the target's tokenizer")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     check_sampling_args(temperature, top_p)
@@ -67,7 +80,11 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
         generator = torch.Generator(device=target.device)
         generator.manual_seed(seed if seed is not None else torch.seed())
     with torch.inference_mode():
-        tokens, stats = _decode_ar(target, ids, max_new_tokens, temperature, top_p, generator, on_tokens)
+        if method == "ar" or max_new_tokens == 0:
+            tokens, stats = _decode_ar(target, ids, max_new_tokens, temperature, top_p, generator, on_tokens)
+        else:
+            engine = engine or Engine(target, drafter, config)
+            tokens, stats = engine.generate(ids, method, max_new_tokens, temperature, top_p, generator, on_tokens)
     return DecodeResult(tokens=tokens, text=target.tokenizer.decode(tokens), stats=stats)
 
 
