@@ -6,7 +6,8 @@ import json
 import logging
 import sys
 
-from ..decode import METHODS, decode
+from ..config import METHODS, USES_DRAFTER, GraftConfig
+from ..decode import decode
 from ..errors import GraftError
 from ..models import load_model
 
@@ -17,10 +18,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target: built-in name, checkpoint folder, .gguf file or cached HF repo id "
                         "(default: %(default)s)")
     p.add_argument("--drafter", default="qwen2.5-coder-0.5b",
-                   help="drafter for speculative methods; not loaded for --method ar (default: %(default)s)")
+                   help="drafter for tree / pruned / graft; not loaded otherwise (default: %(default)s)")
     p.add_argument("--prompt", help="the prompt; read from stdin when omitted")
     p.add_argument("--method", default="ar", choices=METHODS)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--budget", type=int, default=None, help="N: tree nodes verified per step (GraftConfig)")
+    p.add_argument("--tau", type=float, default=None, help="pruning threshold on drafter path probability")
+    p.add_argument("--top-k", type=int, default=None, help="K: children per drafted node")
+    p.add_argument("--max-depth", type=int, default=None, help="D: drafter expansions per step at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
@@ -38,9 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     try:
         target = load_model(args.model, dtype=args.dtype, device=args.device)
-        drafter = None if args.method == "ar" else load_model(args.drafter, dtype=args.dtype, device=args.device)
+        drafter = (load_model(args.drafter, dtype=args.dtype, device=args.device)
+                   if args.method in USES_DRAFTER else None)
+        overrides = {k: v for k, v in (("budget", args.budget), ("tau", args.tau), ("top_k", args.top_k),
+                                       ("max_depth", args.max_depth)) if v is not None}
+        config = GraftConfig(**overrides)
         streamer = None if args.json else _Streamer(target.tokenizer)
-        result = decode(target, prompt, drafter=drafter, method=args.method, max_new_tokens=args.max_new_tokens,
+        result = decode(target, prompt, drafter=drafter, method=args.method, config=config,
+                        max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
                         on_tokens=streamer)
     except GraftError as e:
