@@ -60,7 +60,9 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
     if method not in METHODS:
         raise InputError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
     if engine is not None:
-        target, drafter, config = engine.target, engine.drafter, engine.config
+        if engine.target is not target:
+            raise InputError(f"engine was built for {engine.target.name}, not {target.name}; pass the same target")
+        drafter, config = engine.drafter, engine.config
     if method in USES_DRAFTER and drafter is None:
         raise InputError(f"method {method!r} needs a drafter: pass drafter=load_model(...) (a small model with the "
                          "same tokenizer, or the target's first layers via num_layers=L)")
