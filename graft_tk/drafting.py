@@ -97,12 +97,12 @@ def select_nodes(parents: Tensor, scores: Tensor, n_keep: int, log_tau: float) -
     eligible = scores >= log_tau
     order = torch.argsort(torch.where(eligible, scores, -torch.inf), descending=True, stable=True)
     chosen = order[:n_keep][eligible[order[:n_keep]]]
-    chosen = chosen.sort().values
-    kept = torch.zeros_like(eligible)
-    for i in chosen.tolist():  # <= N-1 nodes, pool order = parents first
-        p = int(parents[i])
-        kept[i] = p < 0 or bool(kept[p])
-    return kept.nonzero().squeeze(-1)
+    parent_of = parents.tolist()  # one transfer, then a host walk over <= N-1 nodes
+    kept: set[int] = set()
+    for i in chosen.sort().values.tolist():  # pool order = parents first
+        if parent_of[i] < 0 or parent_of[i] in kept:
+            kept.add(i)
+    return torch.tensor(sorted(kept), dtype=torch.long, device=scores.device)
 
 
 def _as_tree(tokens, parents, scores, depths, keep, root_token, device) -> Tree:

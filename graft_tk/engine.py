@@ -15,8 +15,8 @@ from .drafting import Draft, draft_tree
 from .models import Model
 from .reference.accept import greedy_accept, sample_accept
 from .reference.graft_merge import graft_merge
-from .sampling import next_token
 from .reference.retrieval import new_adjacency, retrieve, template_from_level_sizes, update_adjacency, warm_adjacency
+from .sampling import next_token
 from .tree import SOURCE_NAMES, Tree
 
 
