@@ -11,7 +11,8 @@ from .errors import InputError
 #   pruned     drafter tree with calibrated dynamic depth (tau); freed budget left unused
 #   retrieval  Token Recycling: adjacency-matrix candidates only, no drafter
 #   graft      pruned drafter tree + retrieval candidates filling the freed budget
-METHODS = ("ar", "tree", "pruned", "retrieval", "graft")
+#   pld        prompt lookup: the tokens that followed the last n-gram earlier in the context
+METHODS = ("ar", "tree", "pruned", "retrieval", "graft", "pld")
 USES_DRAFTER = {"tree", "pruned", "graft"}
 USES_RETRIEVAL = {"retrieval", "graft"}
 
@@ -25,6 +26,9 @@ class GraftConfig:
     retrieval_k: int = 8    # k: successors kept per token in the adjacency matrix M[V, k]
     template: tuple[int, ...] = (8, 21, 25, 15, 8, 3)  # retrieval template: nodes per level (TR's 80)
     warm_from_prefill: bool = True  # fill M from the prompt's logits before the first step
+    pld_tokens: int = 10    # prompt-lookup chain length (method pld, and graft's second source)
+    pld_max_ngram: int = 3  # longest suffix n-gram looked up (down to 1)
+    graft_with_pld: bool = True  # graft also fills its freed budget with the prompt-lookup chain
 
     def __post_init__(self):
         _check(isinstance(self.budget, int) and self.budget >= 1, f"budget (N) must be an int >= 1, got {self.budget!r}")
@@ -36,7 +40,14 @@ class GraftConfig:
                f"retrieval_k must be an int >= 1, got {self.retrieval_k!r}")
         _check(len(self.template) >= 1 and all(isinstance(s, int) and s >= 1 for s in self.template),
                f"template must be a non-empty tuple of positive level sizes, got {self.template!r}")
+        _check(isinstance(self.pld_tokens, int) and self.pld_tokens >= 1,
+               f"pld_tokens must be an int >= 1, got {self.pld_tokens!r}")
+        _check(isinstance(self.pld_max_ngram, int) and self.pld_max_ngram >= 1,
+               f"pld_max_ngram must be an int >= 1, got {self.pld_max_ngram!r}")
         object.__setattr__(self, "template", tuple(self.template))
+
+    def uses_prompt_lookup(self, method: str) -> bool:
+        return method == "pld" or (method == "graft" and self.graft_with_pld)
 
 
 def _check(ok: bool, message: str) -> None:

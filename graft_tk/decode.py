@@ -48,7 +48,8 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
 
     method: "ar" (plain decoding), or a speculative method at budget ``config.budget``:
         "tree" (drafter only, fixed depth), "pruned" (drafter, dynamic depth), "retrieval"
-        (adjacency matrix only), "graft" (pruned drafter tree + retrieval in the freed budget).
+        (adjacency matrix only), "graft" (pruned drafter tree + prompt lookup + retrieval in the
+        freed budget), "pld" (prompt lookup only).
     drafter: a Model with the target's tokenizer (e.g. load_model(name, num_layers=L)).
     config: GraftConfig (N, tau, K, D, retrieval k and template); default GraftConfig().
     engine: an Engine to reuse across calls, so the adjacency matrix stays warm.

@@ -15,9 +15,11 @@ from .drafting import Draft, draft_tree
 from .models import Model
 from .reference.accept import greedy_accept, sample_accept
 from .reference.graft_merge import graft_merge
-from .reference.retrieval import new_adjacency, retrieve, template_from_level_sizes, update_adjacency, warm_adjacency
+from .reference.prompt_lookup import prompt_lookup
+from .reference.retrieval import (RetrievalTemplate, new_adjacency, retrieve, template_from_level_sizes,
+                                  update_adjacency, warm_adjacency)
 from .sampling import next_token
-from .tree import SOURCE_NAMES, Tree
+from .tree import PROMPT_LOOKUP, SOURCE_NAMES, Tree
 
 
 class Engine:
@@ -27,6 +29,9 @@ class Engine:
         self.template = template_from_level_sizes(self.config.template, self.config.retrieval_k).to(target.device)
         # M[V, k]: row t = the k tokens the target last ranked most likely after t (-1 = unknown).
         self.adjacency = new_adjacency(target.config.vocab_size, self.config.retrieval_k, target.device)
+        # A prompt-lookup chain is a template whose node i takes rank 0 under node i - 1.
+        L = self.config.pld_tokens
+        self.chain = RetrievalTemplate(torch.arange(-1, L - 1), torch.zeros(L, dtype=torch.int32), 1).to(target.device)
 
     def generate(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
                  generator, on_tokens) -> tuple[list[int], dict]:
@@ -34,6 +39,7 @@ class Engine:
         cfg, target, tnet = self.config, self.target, self.target.net
         device, eos = target.device, set(target.eos_token_ids)
         use_drafter, use_retrieval = method in USES_DRAFTER, method in USES_RETRIEVAL
+        use_pld = cfg.uses_prompt_lookup(method)
         stats = _Stats(method)
         t0 = time.perf_counter()
         n = len(ids)
@@ -65,9 +71,14 @@ class Engine:
             else:
                 draft = Draft(Tree.root(root, device), torch.full((1,), -1, device=device), 0)
             stats.add_time("draft", t)
-            # 3-5. Root-parallel retrieval, grafted into the freed budget.
+            # 3-5. Retrieval grafted into the freed budget: the prompt-lookup chain (when the context
+            # repeats, it is the likelier bet), then root-parallel adjacency retrieval.
             t = time.perf_counter()
             tree = draft.tree
+            if use_pld:
+                chain = prompt_lookup(committed, cfg.pld_max_ngram, 1, cfg.pld_tokens)
+                chain += [-1] * (cfg.pld_tokens - len(chain))
+                tree = graft_merge(tree, torch.tensor(chain, device=device), self.chain, cfg.budget, PROMPT_LOOKUP)
             if use_retrieval:
                 candidates = retrieve(self.adjacency, torch.tensor(root, device=device), self.template)
                 tree = graft_merge(tree, candidates, self.template, cfg.budget)

@@ -23,7 +23,7 @@ from graft_tk.tree import Tree
 
 from .conftest import real_prompts
 
-SPECULATIVE = ["tree", "pruned", "retrieval", "graft"]
+SPECULATIVE = ["tree", "pruned", "retrieval", "graft", "pld"]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_stats_report_sources_depths_and_time(smollm2, self_drafter):
     s = r.stats
     assert s["steps"] >= 1 and s["mat"] >= 1.0
     assert s["mat"] == pytest.approx((len(r.tokens) - 1) / s["steps"])
-    assert set(s["nodes_by_source"]) <= {"draft", "retrieval"} and s["nodes_by_source"].get("draft", 0) > 0
+    assert set(s["nodes_by_source"]) <= {"draft", "retrieval", "prompt_lookup"} and s["nodes_by_source"].get("draft", 0) > 0
     assert sum(s["accepted_by_source"].values()) == sum(s["accepted_by_depth"].values())
     assert set(s["time_split"]) == {"draft", "retrieve", "verify", "commit"}
     assert s["drafter_forwards_per_step"] >= 1
@@ -81,10 +81,20 @@ def test_max_new_tokens_truncates_mid_path(smollm2, self_drafter):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(budget=0), "budget"), (dict(tau=0.0), "tau"), (dict(tau=1.5), "tau"), (dict(top_k=0), "top_k"),
     (dict(max_depth=0), "max_depth"), (dict(retrieval_k=0), "retrieval_k"), (dict(template=()), "template"),
+    (dict(pld_tokens=0), "pld_tokens"), (dict(pld_max_ngram=0), "pld_max_ngram"),
 ])
 def test_bad_config_is_a_clear_error(kwargs, message):
     with pytest.raises(InputError, match=message):
         GraftConfig(**kwargs)
+
+
+def test_prompt_lookup_proposes_what_followed_the_context(smollm2):
+    """A prompt that asks to repeat its own text: pld's chain is accepted in long runs."""
+    text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu"
+    r = graft_tk.decode(smollm2, f"Repeat exactly: {text}", method="pld", max_new_tokens=30,
+                        config=GraftConfig(budget=8, pld_tokens=7))
+    assert r.tokens == graft_tk.decode(smollm2, f"Repeat exactly: {text}", max_new_tokens=30).tokens
+    assert r.stats["accepted_by_source"].get("prompt_lookup", 0) > 0 and r.stats["mat"] > 1.5
 
 
 def test_drafter_methods_need_a_drafter(smollm2):

@@ -33,7 +33,8 @@ def freed_budget(n_drafted_nodes: int | Tensor, budget_n: int) -> int | Tensor:
     return (budget_n - 1) - n_drafted_nodes
 
 
-def graft_merge(draft: Tree, retrieved_tokens: Tensor, template: RetrievalTemplate, budget_n: int) -> Tree:
+def graft_merge(draft: Tree, retrieved_tokens: Tensor, template: RetrievalTemplate, budget_n: int,
+                source: int = RETRIEVAL) -> Tree:
     """Graft retrieved template nodes onto ``draft`` until the tree has ``budget_n`` nodes.
 
     Parameters
@@ -46,12 +47,15 @@ def graft_merge(draft: Tree, retrieved_tokens: Tensor, template: RetrievalTempla
         The T-node template ``retrieved_tokens`` was walked along (BFS order).
     budget_n : int
         Verification budget N (nodes in the tree, root included), >= 1.
+    source : int
+        Source code given to the new nodes (RETRIEVAL; PROMPT_LOOKUP for a prompt-lookup chain,
+        which is a template whose every node takes rank 0 under the previous one).
 
     Returns
     -------
     Tree
         The drafted nodes unchanged at indices ``0 .. draft.n - 1``, then the new retrieved
-        nodes (source RETRIEVAL, score -inf) in template order. Exactly
+        nodes (source ``source``, score -inf) in template order. Exactly
         ``min(budget_n, distinct candidates)`` nodes, parents before children.
 
     Notes
@@ -95,6 +99,6 @@ def graft_merge(draft: Tree, retrieved_tokens: Tensor, template: RetrievalTempla
         tokens=torch.tensor(tokens, dtype=torch.int64, device=dev),
         parents=torch.tensor(parents, dtype=torch.int32, device=dev),
         depth=torch.tensor(depth, dtype=torch.int32, device=dev),
-        source=torch.cat([draft.source, torch.full((n_new,), RETRIEVAL, dtype=torch.int8, device=dev)]),
+        source=torch.cat([draft.source, torch.full((n_new,), source, dtype=torch.int8, device=dev)]),
         scores=torch.cat([draft.scores, torch.full((n_new,), float("-inf"), dtype=torch.float32, device=dev)]),
     )
