@@ -12,9 +12,5 @@ def calibrate() -> int:
     sys.exit(_not_built("graft-calibrate", "Optuna search of tau / N / K / D and profiles"))
 
 
-def bench() -> int:
-    sys.exit(_not_built("graft-bench", "side-by-side method comparison"))
-
-
 def autotune() -> int:
     sys.exit(_not_built("graft-autotune", "persistent, shareable Triton config cache"))

@@ -1,0 +1,294 @@
+"""graft-bench's logic: run every method on every prompt, check exactness, summarise, report.
+
+How the comparison is kept fair (and why):
+
+- **Cold, equal start.** Each (prompt, method) run gets a fresh ``Engine``, so every speculative
+  method starts with an empty adjacency matrix (warmed only from that prompt's prefill) and no
+  method profits from state an earlier prompt or method left behind. ``ar`` keeps no state.
+- **Interleaved.** All methods run on one prompt before the next prompt starts, in an order
+  rotated by one per prompt: a machine that slows down mid-run (other load, thermals) slows every
+  method alike instead of whichever happens to run last.
+- **Warm-up excluded.** One untimed short decode per method on the first prompt absorbs
+  allocator growth, lazy initialisation and first-call overheads.
+- **Medians for time, pooled sums for counts.** tokens/s of a run is ``stats["tokens_per_s"]``
+  (prefill included, as a user waits for it), the median over ``repeats``; a category reports the
+  median over its prompts, and speedup is the median over prompts of tok/s relative to ``ar`` on
+  the same prompt (pairing cancels prompt-to-prompt differences). MAT, drafter forwards, accepted
+  tokens and the time split are deterministic counts: summed over prompts, then divided.
+- **Exactness is never hidden.** At temperature 0 every method's tokens must equal ``ar``'s
+  (``ar`` always runs as the baseline); mismatches are counted and marked in the table.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from . import __version__
+from . import config as config_mod
+from ._fs import atomic_write_text
+from .anchors import HFAnchors
+from .config import GraftConfig
+from .decode import decode, encode_prompt
+from .engine import Engine
+from .errors import InputError
+from .models import Model, load_model
+from .models.registry import REGISTRY
+from .prompts import Prompt
+
+WARMUP_TOKENS = 8
+PHASES = ("prefill", "draft", "retrieve", "verify", "commit")
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """``"tree,graft"`` -> ``("ar", "tree", "graft")``: validated against METHODS at run time, ar first."""
+    available = config_mod.METHODS  # read now, not at import: new methods (e.g. pld) need no change here
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in available]
+    if unknown or not names:
+        raise InputError(f"unknown method(s) {', '.join(unknown) or repr(text)}; available: {', '.join(available)}")
+    return ("ar",) + tuple(dict.fromkeys(m for m in names if m != "ar"))
+
+
+def default_drafter(model: str) -> str | None:
+    """The registry's paired drafter for ``model``, or None."""
+    entry = REGISTRY.get(model)
+    return entry.drafter if entry is not None else None
+
+
+def load_drafter(spec: str | None, model: str, dtype=None, device=None) -> Model | None:
+    """``None`` / ``"none"`` -> no drafter; ``"self:L"`` -> the target's first L layers; else load_model(spec)."""
+    if spec is None or spec == "none":
+        return None
+    if spec.startswith("self:"):
+        layers = spec[5:]
+        if not layers.isdigit() or int(layers) < 1:
+            raise InputError(f"--drafter self:L needs a layer count L >= 1, got {spec!r}")
+        return load_model(model, dtype=dtype, device=device, num_layers=int(layers))
+    return load_model(spec, dtype=dtype, device=device)
+
+
+@dataclass
+class Plan:
+    """Everything one benchmark run needs."""
+    target: Model
+    drafter: Model | None
+    config: GraftConfig
+    methods: tuple[str, ...]        # ours, "ar" first
+    prompts: list[Prompt]
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    repeats: int = 1
+    anchors: HFAnchors | None = None
+
+    def __post_init__(self):
+        if self.repeats < 1:
+            raise InputError(f"--repeats must be >= 1, got {self.repeats}")
+        if self.max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.prompts:
+            raise InputError("no prompts to run")
+        missing = [m for m in self.methods if m in config_mod.USES_DRAFTER]
+        if missing and self.drafter is None:
+            raise InputError(f"method(s) {', '.join(missing)} need a drafter: pass --drafter NAME or "
+                             "--drafter self:L (the target's first L layers)")
+
+    @property
+    def run_names(self) -> tuple[str, ...]:
+        """Our methods, then the anchors still runnable."""
+        return self.methods + (self.anchors.names if self.anchors else ())
+
+    def run_once(self, name: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
+        if name not in self.methods:
+            return self.anchors.run(name, ids, max_new_tokens, self.temperature, self.seed)
+        engine = None if name == "ar" else Engine(self.target, self.drafter, self.config)
+        r = decode(self.target, ids, method=name, drafter=self.drafter, config=self.config, engine=engine,
+                   max_new_tokens=max_new_tokens, temperature=self.temperature, seed=self.seed)
+        return r.tokens, r.stats
+
+
+def run(plan: Plan, on_run: Callable[[Prompt, str], None] | None = None) -> list[dict]:
+    """Run the plan; one row per (prompt, method or anchor). ``on_run`` is called after every run."""
+    context = plan.target.config.max_position_embeddings
+    encoded = []
+    for p in plan.prompts:
+        ids = encode_prompt(plan.target, p.text, chat=True)
+        if len(ids) + plan.max_new_tokens > context:
+            raise InputError(f"prompt {p.id} ({len(ids)} tokens) + --max-new-tokens {plan.max_new_tokens} exceeds "
+                             f"{plan.target.name}'s context of {context}; lower --max-new-tokens or drop the prompt")
+        encoded.append((p, ids))
+    for name in plan.run_names:
+        _guarded(plan, name, encoded[0][1], min(WARMUP_TOKENS, plan.max_new_tokens))
+
+    rows = []
+    for i, (prompt, ids) in enumerate(encoded):
+        names = plan.run_names
+        order = names[i % len(names):] + names[:i % len(names)]
+        results: dict[str, list] = {n: [] for n in names}
+        for _ in range(plan.repeats):
+            for name in order:
+                out = _guarded(plan, name, ids, plan.max_new_tokens)
+                if out is not None:
+                    results[name].append(out)
+                if on_run is not None:
+                    on_run(prompt, name)
+        baseline = results["ar"][0][0]
+        for name in names:
+            if len(results[name]) == plan.repeats:    # an anchor that failed mid-prompt has fewer
+                rows.append(_row(i, prompt, len(ids), name, results[name], baseline, plan.temperature))
+    failed = {n for n, s in (plan.anchors.status.items() if plan.anchors else ()) if s["status"] != "ok"}
+    return [r for r in rows if r["method"] not in failed]   # a partial anchor would skew its medians
+
+
+def _guarded(plan: Plan, name: str, ids: list[int], max_new_tokens: int):
+    """Our methods raise; an anchor that raises is recorded, disabled, and returns None."""
+    if name in plan.methods:
+        return plan.run_once(name, ids, max_new_tokens)
+    if name not in plan.anchors.names:
+        return None
+    try:
+        return plan.run_once(name, ids, max_new_tokens)
+    except Exception as e:  # noqa: BLE001 - an anchor never stops the benchmark
+        plan.anchors.fail(name, e)
+        return None
+
+
+def _row(index: int, prompt: Prompt, prompt_tokens: int, name: str, results: list, baseline: list[int],
+         temperature: float) -> dict:
+    tok_s = [s["tokens_per_s"] for _, s in results]
+    # the median run (the lower middle one for an even count): its stats are a real run's, not a blend
+    median_run = sorted(range(len(results)), key=lambda j: tok_s[j])[(len(results) - 1) // 2]
+    tokens, stats = results[median_run]
+    return {"prompt_index": index, "prompt": prompt.id, "category": prompt.category, "method": name,
+            "kind": "anchor" if name.startswith("hf_") else "ours", "prompt_tokens": prompt_tokens,
+            "tokens_per_s": tok_s[median_run], "tokens_per_s_repeats": tok_s,
+            "exact": all(t == baseline for t, _ in results) if temperature == 0 else None,
+            "output": tokens, "stats": stats}
+
+
+# --------------------------------------------------------------------------- summary
+def summarize(rows: list[dict]) -> dict:
+    """{category: {method: entry}}, category "all" first; see the module docstring for the statistics."""
+    categories = ["all"] + list(dict.fromkeys(r["category"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    # keyed by position, not id: a user's prompt file may repeat ids
+    ar = {r["prompt_index"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
+    summary: dict = {}
+    for cat in categories:
+        summary[cat] = {}
+        for m in methods:
+            sel = [r for r in rows if r["method"] == m and cat in ("all", r["category"])]
+            if sel:
+                summary[cat][m] = _entry(sel, ar)
+    return summary
+
+
+def _entry(rows: list[dict], ar_tok_s: dict) -> dict:
+    stats = [r["stats"] for r in rows]
+    ratios = [r["tokens_per_s"] / ar_tok_s[r["prompt_index"]] for r in rows if ar_tok_s.get(r["prompt_index"])]
+    exact = [r["exact"] for r in rows if r["exact"] is not None]
+    entry = {"kind": rows[0]["kind"], "prompts": len(rows),
+             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
+             "speedup": statistics.median(ratios) if ratios else None,
+             "exact": {"compared": len(exact), "mismatches": exact.count(False)} if exact else None,
+             "mat": None, "drafter_forwards_per_step": None, "accepted_per_step": None, "time_split": None}
+    if rows[0]["kind"] == "anchor":
+        return entry     # HF generate reports none of the counts below
+    steps = sum(s.get("steps", 0) for s in stats)
+    seconds = sum(s["seconds"] for s in stats)
+    if steps:
+        entry["mat"] = sum(s.get("mat", 0.0) * s.get("steps", 0) for s in stats) / steps
+        entry["drafter_forwards_per_step"] = sum(
+            s.get("drafter_forwards_per_step", 0.0) * s.get("steps", 0) for s in stats) / steps
+        if any("accepted_by_source" in s for s in stats):    # ar has no tree, so no key
+            accepted: dict[str, int] = {}
+            for s in stats:
+                for src, n in s.get("accepted_by_source", {}).items():
+                    accepted[src] = accepted.get(src, 0) + n
+            entry["accepted_per_step"] = {src: n / steps for src, n in accepted.items()}
+    if seconds > 0 and any("time_split" in s for s in stats):
+        split = {ph: sum(s.get("time_split", {}).get(ph, 0.0) for s in stats) / seconds for ph in PHASES[1:]}
+        entry["time_split"] = {"prefill": sum(s.get("prefill_seconds", 0.0) for s in stats) / seconds, **split}
+    return entry
+
+
+# --------------------------------------------------------------------------- table
+def markdown_table(summary: dict, temperature: float = 0.0) -> str:
+    """One markdown table: overall rows first, then one block per category when there are several."""
+    categories = list(summary) if len(summary) > 2 else ["all"]   # one category: "all" says it all
+    header = ("| category | method | prompts | tok/s | speedup vs ar | MAT | drafter fwd/step "
+              "| accepted/step by source | time % prefill/draft/retrieve/verify/commit | exact vs ar |")
+    lines = [header, "|" + "---|" * (header.count(" | ") + 1)]
+    for cat in categories:
+        for m, e in summary[cat].items():
+            lines.append(f"| {cat} | {m} | {e['prompts']} | {e['tokens_per_s']:.2f} | {_fmt(e['speedup'], 'x')} "
+                         f"| {_fmt(e['mat'])} | {_fmt(e['drafter_forwards_per_step'])} "
+                         f"| {_fmt_sources(e['accepted_per_step'])} | {_fmt_split(e['time_split'])} "
+                         f"| {_fmt_exact(e['exact'], temperature)} |")
+    return "\n".join(lines)
+
+
+def _fmt(x, suffix: str = "") -> str:
+    return "n.a." if x is None else f"{x:.2f}{suffix}"
+
+
+def _fmt_sources(acc: dict | None) -> str:
+    if acc is None:
+        return "n.a."
+    return ", ".join(f"{src} {n:.2f}" for src, n in sorted(acc.items())) or "none accepted"
+
+
+def _fmt_split(split: dict | None) -> str:
+    return "n.a." if split is None else "/".join(f"{100 * split[ph]:.0f}" for ph in PHASES)
+
+
+def _fmt_exact(exact: dict | None, temperature: float) -> str:
+    if exact is None:
+        return "n.a. (sampling)" if temperature > 0 else "n.a."
+    ok = exact["compared"] - exact["mismatches"]
+    mark = "" if exact["mismatches"] == 0 else f" **{exact['mismatches']} MISMATCH**"
+    return f"{ok}/{exact['compared']}{mark}"
+
+
+# --------------------------------------------------------------------------- report
+def machine_info() -> dict:
+    """Where and with what the numbers were measured."""
+    info = {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "graft_tk": __version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    for pkg in ("transformers", "triton"):
+        try:
+            info[pkg] = __import__(pkg).__version__
+        except ImportError:
+            info[pkg] = None
+    return info
+
+
+def build_report(plan: Plan, rows: list[dict], args: dict | None = None) -> dict:
+    """The JSON document: machine, config, prompts, anchors' status, every run and the summary."""
+    return {
+        "tool": "graft-bench",
+        "machine": machine_info(),
+        "config": {"target": plan.target.name, "drafter": plan.drafter.name if plan.drafter else None,
+                   "dtype": str(plan.target.dtype).removeprefix("torch."), "device": str(plan.target.device),
+                   "methods": list(plan.methods), "max_new_tokens": plan.max_new_tokens,
+                   "temperature": plan.temperature, "seed": plan.seed, "repeats": plan.repeats,
+                   "graft": asdict(plan.config), "args": args or {}},
+        "prompts": [{"id": p.id, "category": p.category} for p in plan.prompts],
+        "anchors": plan.anchors.status if plan.anchors else {},
+        "runs": rows,
+        "summary": summarize(rows),
+    }
+
+
+def write_json(path, report: dict) -> None:
+    atomic_write_text(path, json.dumps(report, indent=1, default=str) + "\n")

@@ -1,0 +1,132 @@
+"""graft-bench: every decoding method side by side on the same prompts, machine and run.
+
+    graft-bench --model qwen2.5-coder-1.5b --methods ar,tree,pruned,retrieval,graft \\
+                --prompts spec-bench --n-per-category 2 --max-new-tokens 64 --json out.json --plot out.png
+
+Methods run interleaved prompt by prompt after one untimed warm-up each; every run starts from a
+fresh engine (cold adjacency matrix), so no method inherits another's state. Reports medians of
+tokens/s and speedup over ``ar``, MAT, drafter forwards per step, accepted tokens by source, the
+time split, and whether each greedy output equals ``ar``'s. With transformers installed, HF
+greedy, HF assisted generation (same drafter) and HF prompt lookup run in the same loop.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tqdm.auto import tqdm
+
+from .. import bench
+from .. import config as config_mod
+from ..anchors import ANCHOR_NAMES, HFAnchors, parse_anchors, transformers_available
+from ..config import GraftConfig
+from ..errors import GraftError, InputError
+from ..models import load_model
+from ..prompts import load_prompts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="graft-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-1.5b",
+                   help="target: built-in name, checkpoint folder, .gguf file or cached HF repo id "
+                        "(default: %(default)s)")
+    p.add_argument("--drafter", default=None,
+                   help="drafter: a model name or path, self:L (the target's first L layers) or none "
+                        "(default: the registry's pair for --model, e.g. qwen2.5-coder-0.5b)")
+    p.add_argument("--methods", default=",".join(config_mod.METHODS),
+                   help="comma list of methods; ar always runs as the baseline (default: %(default)s)")
+    p.add_argument("--prompts", default="humaneval",
+                   help="humaneval | spec-bench | spec-bench:PATH | PATH.jsonl (default: %(default)s)")
+    p.add_argument("--n-per-category", type=int, default=None,
+                   help="keep the first K prompts of each category (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default bf16; fp32 to judge exactness)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; exactness is checked)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every method")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per (prompt, method); the median is kept")
+    p.add_argument("--budget", type=int, default=None, help="N: tree nodes verified per step (GraftConfig)")
+    p.add_argument("--tau", type=float, default=None, help="pruning threshold on drafter path probability")
+    p.add_argument("--top-k", type=int, default=None, help="K: children per drafted node")
+    p.add_argument("--max-depth", type=int, default=None, help="D: drafter expansions per step at most")
+    p.add_argument("--anchors", nargs="?", const="all", default=None, metavar="LIST",
+                   help=f"run HF transformers anchors: all, or a comma list of {', '.join(ANCHOR_NAMES)} "
+                        "(default: all when transformers is installed)")
+    p.add_argument("--no-anchors", dest="anchors", action="store_const", const="none", help="skip the HF anchors")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the full report (JSON) here")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="write tokens/s-vs-MAT and speedup plots here")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        report = _run(args)
+    except GraftError as e:
+        print(f"graft-bench: error: {e}", file=sys.stderr)
+        return 2
+    print(bench.markdown_table(report["summary"], args.temperature))
+    for name, s in report["anchors"].items():
+        if s["status"] != "ok":
+            print(f"\nnote: anchor {name} {s['status']}: {s['error']}", file=sys.stderr)
+    if report["config"]["dtype"] != "float32" and args.temperature == 0 and _mismatches(report["summary"]):
+        print("\nnote: in bf16/fp16 a batched verification can flip a near-tie, so outputs may drift from ar's; "
+              "judge exactness with --dtype fp32 (DESIGN.md §6)", file=sys.stderr)
+    m = report["machine"]
+    print(f"\n{report['config']['target']} + {report['config']['drafter']}, {report['config']['dtype']}, "
+          f"{len(report['prompts'])} prompts, {args.max_new_tokens} new tokens, temperature {args.temperature}; "
+          f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}, "
+          f"graft_tk {m['graft_tk']}")
+    return 0
+
+
+def _mismatches(summary: dict) -> int:
+    return sum((e["exact"] or {}).get("mismatches", 0) for e in summary["all"].values())
+
+
+def _run(args) -> dict:
+    """Validate cheap inputs first (methods, prompts, config) so a typo fails before a model loads."""
+    methods = bench.parse_methods(args.methods)
+    if args.anchors is None:
+        args.anchors = "all" if transformers_available() else "none"
+    anchors = parse_anchors(args.anchors)
+    if anchors and not transformers_available():
+        raise InputError("--anchors needs HF transformers: pip install transformers (or pass --no-anchors)")
+    if args.n_per_category is not None and args.n_per_category < 1:
+        raise InputError(f"--n-per-category must be >= 1, got {args.n_per_category}")
+    prompts = load_prompts(args.prompts, args.n_per_category)
+    overrides = {k: v for k, v in (("budget", args.budget), ("tau", args.tau), ("top_k", args.top_k),
+                                   ("max_depth", args.max_depth)) if v is not None}
+    config = GraftConfig(**overrides)
+
+    target = load_model(args.model, dtype=args.dtype, device=args.device)
+    drafter_spec = args.drafter if args.drafter is not None else bench.default_drafter(args.model)
+    needs_drafter = any(m in config_mod.USES_DRAFTER for m in methods) or "hf_assisted" in anchors
+    drafter = bench.load_drafter(drafter_spec, args.model, args.dtype, args.device) if needs_drafter else None
+    plan = bench.Plan(target, drafter, config, methods, prompts, args.max_new_tokens, args.temperature,
+                      args.seed, args.repeats, HFAnchors(target, drafter, anchors) if anchors else None)
+
+    total = len(prompts) * len(plan.run_names) * args.repeats
+    with tqdm(total=total, desc="graft-bench", unit="run", disable=None, file=sys.stderr) as bar:
+        def on_run(prompt, name):
+            bar.set_postfix_str(f"{prompt.id} {name}", refresh=False)
+            bar.update()
+        rows = bench.run(plan, on_run)
+
+    report = bench.build_report(plan, rows, dict(vars(args)))
+    if args.json:
+        bench.write_json(args.json, report)
+    if args.plot:
+        from ..plots import plot_summary  # matplotlib only when a picture is asked for
+        plot_summary(report["summary"], args.plot,
+                     title=f"{target.name} + {drafter.name if drafter else 'no drafter'}, "
+                           f"{report['config']['dtype']}, {len(prompts)} prompts x {args.max_new_tokens} tokens")
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""graft-bench end to end on SmolLM2 (tiny runs: the numbers are not judged, the report is)."""
+import json
+
+import pytest
+
+from graft_tk import bench
+from graft_tk.cli.bench import main
+from graft_tk.config import METHODS
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def two_prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"id": "hi", "category": "chat", "prompt": "Say hi to a friend."},
+            {"id": "add", "category": "code", "prompt": "Write a Python function that adds two numbers."}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_tiny_run_writes_json_table_and_png(smollm2, two_prompts, tmp_path, capsys):
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    rc = main(["--model", "smollm2-135m", "--drafter", "self:10", "--methods", "ar,graft", "--prompts",
+               str(two_prompts), "--max-new-tokens", "6", "--json", str(out), "--plot", str(png),
+               "--no-anchors", "--dtype", "fp32"])
+    stdout = capsys.readouterr().out
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert {"machine", "config", "prompts", "runs", "summary"} <= set(report)
+    assert report["machine"]["torch"] and report["machine"]["graft_tk"] and report["machine"]["date"]
+    assert report["config"]["graft"]["budget"] == 16 and report["config"]["methods"] == ["ar", "graft"]
+    assert [p["id"] for p in report["prompts"]] == ["hi", "add"]
+    assert {(r["prompt"], r["method"]) for r in report["runs"]} == {(p, m) for p in ("hi", "add")
+                                                                     for m in ("ar", "graft")}
+    assert all(r["exact"] for r in report["runs"])              # greedy fp32: every output equals ar's
+    assert all(0 < len(r["output"]) <= 6 for r in report["runs"])
+    summary = report["summary"]
+    assert list(summary) == ["all", "chat", "code"]
+    graft = summary["all"]["graft"]
+    assert graft["exact"] == {"compared": 2, "mismatches": 0}
+    assert graft["mat"] >= 1.0 and graft["speedup"] > 0 and set(graft["time_split"]) == set(bench.PHASES)
+    assert summary["all"]["ar"]["speedup"] == 1.0
+    # the markdown table: header, separator, one row per (category, method)
+    table = [line for line in stdout.splitlines() if line.startswith("|")]
+    assert table[0].startswith("| category | method |") and len(table) == 2 + 3 * 2
+    assert any(line.startswith("| all | graft |") and "2/2" in line for line in table)
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_malformed_prompt_file_names_the_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": "broken"\n')
+    rc = main(["--model", "smollm2-135m", "--methods", "ar", "--prompts", str(bad), "--no-anchors"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2" in err and "not valid JSON" in err
+
+
+def test_unknown_method_lists_the_available_ones(capsys):
+    rc = main(["--model", "smollm2-135m", "--methods", "ar,nope", "--no-anchors"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "unknown method(s) nope" in err and all(m in err for m in METHODS)
+
+
+def test_speculative_method_without_a_drafter_is_a_clear_error(smollm2, two_prompts, capsys):
+    rc = main(["--model", "smollm2-135m", "--methods", "graft", "--prompts", str(two_prompts), "--no-anchors",
+               "--dtype", "fp32"])
+    assert rc == 2 and "need a drafter" in capsys.readouterr().err
+
+
+def test_hf_greedy_anchor_runs_beside_ar(smollm2, two_prompts, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    rc = main(["--model", "smollm2-135m", "--methods", "ar", "--prompts", str(two_prompts), "--n-per-category",
+               "1", "--max-new-tokens", "4", "--anchors", "hf_greedy", "--dtype", "fp32", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads(out.read_text())
+    assert report["anchors"] == {"hf_greedy": {"status": "ok"}}
+    hf = [r for r in report["runs"] if r["method"] == "hf_greedy"]
+    assert len(hf) == 2 and all(r["kind"] == "anchor" and r["exact"] for r in hf)
+    assert report["summary"]["all"]["hf_greedy"]["mat"] is None
+    assert "| all | hf_greedy |" in capsys.readouterr().out
+
+
+def test_a_failing_anchor_is_recorded_and_skipped(smollm2, two_prompts, tmp_path, monkeypatch, capsys):
+    def broken(self, name, *args):
+        raise RuntimeError("no such generate feature")
+    monkeypatch.setattr("graft_tk.anchors.HFAnchors.run", broken)
+    out = tmp_path / "out.json"
+    rc = main(["--model", "smollm2-135m", "--methods", "ar", "--prompts", str(two_prompts), "--n-per-category",
+               "1", "--max-new-tokens", "2", "--anchors", "hf_greedy", "--dtype", "fp32", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["anchors"]["hf_greedy"]["status"] == "error"
+    assert "no such generate feature" in report["anchors"]["hf_greedy"]["error"]
+    assert {r["method"] for r in report["runs"]} == {"ar"}
+    assert "anchor hf_greedy error" in capsys.readouterr().err
+
+
+def test_parse_methods_puts_ar_first_and_dedups():
+    assert bench.parse_methods("graft,ar,tree,graft") == ("ar", "graft", "tree")
+    assert bench.parse_methods("retrieval") == ("ar", "retrieval")
+
+
+def _row(prompt, category, method, tok_s, exact, **stats):
+    kind = "anchor" if method.startswith("hf_") else "ours"
+    return {"prompt_index": int(prompt[1:]), "prompt": prompt, "category": category, "method": method,
+            "kind": kind, "tokens_per_s": tok_s, "exact": exact, "stats": {"seconds": 1.0, **stats}}
+
+
+def test_summary_pools_counts_and_marks_mismatches(tmp_path):
+    spec = dict(steps=10, mat=2.0, drafter_forwards_per_step=3.0, accepted_by_source={"draft": 6, "retrieval": 4},
+                time_split={"draft": 0.2, "retrieve": 0.1, "verify": 0.5, "commit": 0.1}, prefill_seconds=0.1)
+    rows = [_row("p1", "a", "ar", 10.0, True, steps=8, mat=1.0), _row("p2", "b", "ar", 20.0, True, steps=8, mat=1.0),
+            _row("p1", "a", "graft", 30.0, True, **spec),
+            _row("p2", "b", "graft", 30.0, False, **{**spec, "steps": 30}),
+            _row("p1", "a", "hf_greedy", 5.0, True), _row("p2", "b", "hf_greedy", 10.0, True)]
+    summary = bench.summarize(rows)
+    g = summary["all"]["graft"]
+    assert g["speedup"] == pytest.approx(2.25)                  # median of 3.0x and 1.5x, paired per prompt
+    assert g["accepted_per_step"] == {"draft": 12 / 40, "retrieval": 8 / 40}
+    assert g["exact"] == {"compared": 2, "mismatches": 1} and summary["b"]["graft"]["exact"]["mismatches"] == 1
+    assert summary["all"]["hf_greedy"]["speedup"] == 0.5 and summary["all"]["hf_greedy"]["mat"] is None
+    table = bench.markdown_table(summary)
+    assert "| all | graft | 2 | 30.00 | 2.25x | 2.00 |" in table and "1/2 **1 MISMATCH**" in table
+    assert "10/20/10/50/10" in table                             # time split, percent of the run
+    assert "n.a. (sampling)" in bench.markdown_table(bench.summarize(
+        [{**r, "exact": None} for r in rows]), temperature=0.7)
+    from graft_tk.plots import plot_summary
+    plot_summary(summary, tmp_path / "s.png")                    # anchors without MAT, two categories
+    assert (tmp_path / "s.png").read_bytes()[:8] == PNG_MAGIC
