@@ -13,21 +13,13 @@ import json
 import platform
 import statistics
 import sys
-import time
 
 import torch
 
 import graft_tk
+from graft_tk.anchors import HFAnchors
 from graft_tk.decode import encode_prompt
 from graft_tk.prompts import load_prompts
-
-
-def hf_greedy(hf_model, ids: list[int], max_new_tokens: int, eos: tuple[int, ...]) -> tuple[list[int], float]:
-    x = torch.tensor([ids])
-    t0 = time.perf_counter()
-    out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                            eos_token_id=list(eos), pad_token_id=eos[0], top_p=None, top_k=None, temperature=None)
-    return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
@@ -42,22 +34,21 @@ def main(argv=None) -> int:
     import transformers
 
     model = graft_tk.load_model(args.model, dtype=args.dtype)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model.path, dtype=model.dtype).eval()
+    hf = HFAnchors(model, None, ("hf_greedy",))  # the same generate call graft-bench's anchor makes
     half = max(1, args.n_prompts // 2)
     prompts = load_prompts("humaneval")[:half] + load_prompts("spec-bench", 1)[: args.n_prompts - half]
-    eos = model.eos_token_ids
 
     rows = []
     with torch.inference_mode():
         warm = encode_prompt(model, prompts[0].text, chat=True)
         graft_tk.decode(model, warm, max_new_tokens=8)
-        hf_greedy(hf, warm, 8, eos)
+        hf.run("hf_greedy", warm, 8, 0.0, 0)
         for prompt in prompts:
             ids = encode_prompt(model, prompt.text, chat=True)
             ours = graft_tk.decode(model, ids, max_new_tokens=args.max_new_tokens)
-            hf_tokens, hf_seconds = hf_greedy(hf, ids, args.max_new_tokens, eos)
+            hf_tokens, hf_stats = hf.run("hf_greedy", ids, args.max_new_tokens, 0.0, 0)
             rows.append({"prompt": prompt.id, "category": prompt.category, "prompt_tokens": len(ids),
-                         "ours_tok_s": ours.stats["tokens_per_s"], "hf_tok_s": len(hf_tokens) / hf_seconds,
+                         "ours_tok_s": ours.stats["tokens_per_s"], "hf_tok_s": hf_stats["tokens_per_s"],
                          "identical": ours.tokens == hf_tokens})
             print(f"  {prompt.id:<24} ours {rows[-1]['ours_tok_s']:6.2f} tok/s   hf {rows[-1]['hf_tok_s']:6.2f} tok/s"
                   f"   identical={rows[-1]['identical']}", file=sys.stderr)
