@@ -1,6 +1,7 @@
 """``decode``: the public entry point. Prompt in, tokens and statistics out."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -51,7 +52,9 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
         (adjacency matrix only), "graft" (pruned drafter tree + prompt lookup + retrieval in the
         freed budget), "pld" (prompt lookup only).
     drafter: a Model with the target's tokenizer (e.g. load_model(name, num_layers=L)).
-    config: GraftConfig (N, tau, K, D, retrieval k and template); default GraftConfig().
+    config: GraftConfig (N, tau, K, D, retrieval k and template). Default: the profile that
+        graft-calibrate wrote for this (target, drafter, device, dtype) when there is a usable one,
+        else GraftConfig(). ``stats["config_source"]`` says which.
     engine: an Engine to reuse across calls, so the adjacency matrix stays warm.
     temperature: 0 = greedy; > 0 samples from softmax(logits / temperature) cut to ``top_p``.
     seed: makes sampling reproducible.
@@ -64,6 +67,7 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
         if engine.target is not target:
             raise InputError(f"engine was built for {engine.target.name}, not {target.name}; pass the same target")
         drafter, config = engine.drafter, engine.config
+    config, config_source = _resolve_config(target, drafter, method, config, engine)
     if method in USES_DRAFTER and drafter is None:
         raise InputError(f"method {method!r} needs a drafter: pass drafter=load_model(...) (a small model with the "
                          "same tokenizer, or the target's first layers via num_layers=L)")
@@ -88,7 +92,26 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
         else:
             engine = engine or Engine(target, drafter, config)
             tokens, stats = engine.generate(ids, method, max_new_tokens, temperature, top_p, generator, on_tokens)
+    if method != "ar":
+        stats["config"] = dataclasses.asdict(config)
+    stats["config_source"] = config_source
     return DecodeResult(tokens=tokens, text=target.tokenizer.decode(tokens), stats=stats)
+
+
+def _resolve_config(target: Model, drafter: Model | None, method: str, config: GraftConfig | None,
+                    engine: Engine | None) -> tuple[GraftConfig | None, str]:
+    """(config, where it came from): the engine's, the caller's, a calibration profile, or the default."""
+    if method == "ar":
+        return config, "none (ar)"
+    if engine is not None:
+        return config, "engine"
+    if config is not None:
+        return config, "explicit"
+    from .calibration.profiles import find_profile  # json only; warns on a stale or corrupt profile
+    profile = find_profile(target, drafter if method in USES_DRAFTER else None)
+    if profile is not None:
+        return profile.config, f"profile {profile.path}"
+    return GraftConfig(), "default"
 
 
 def _decode_ar(model: Model, ids: list[int], max_new_tokens: int, temperature: float, top_p: float,

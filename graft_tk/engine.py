@@ -32,6 +32,9 @@ class Engine:
         # A prompt-lookup chain is a template whose node i takes rank 0 under node i - 1.
         L = self.config.pld_tokens
         self.chain = RetrievalTemplate(torch.arange(-1, L - 1), torch.zeros(L, dtype=torch.int32), 1).to(target.device)
+        # Set to a list to record, per verified node, (source, depth, drafter score, accepted?):
+        # graft-calibrate fits its score -> acceptance map from it. Off by default (host syncs).
+        self.acceptance_log: list[tuple[int, int, float, bool]] | None = None
 
     def generate(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
                  generator, on_tokens) -> tuple[list[int], dict]:
@@ -102,6 +105,10 @@ class Engine:
                     new, done = new[:i + 1], True
                     break
             stats.record_step(tree, path_list, len(new), draft.forwards)
+            if self.acceptance_log is not None:
+                on_path = set(path_list)
+                self.acceptance_log += [(s, d, sc, i in on_path) for i, (s, d, sc) in enumerate(zip(
+                    tree.source.tolist(), tree.depth.tolist(), tree.scores.tolist())) if i > 0]
             committed += new
             out += new
             if on_tokens:

@@ -31,7 +31,7 @@ def test_generate_unknown_model_exits_2_with_the_list():
     assert "unknown model 'nope'" in r.stderr and "smollm2-135m" in r.stderr
 
 
-@pytest.mark.parametrize("tool", ["calibrate", "autotune"])
+@pytest.mark.parametrize("tool", ["autotune"])
 def test_unbuilt_tools_say_so(tool):
     r = subprocess.run([sys.executable, "-c", f"from graft_tk.cli.stubs import {tool}; {tool}()"],
                        capture_output=True, text=True)

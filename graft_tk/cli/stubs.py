@@ -8,9 +8,5 @@ def _not_built(tool: str, what: str) -> int:
     return 2
 
 
-def calibrate() -> int:
-    sys.exit(_not_built("graft-calibrate", "Optuna search of tau / N / K / D and profiles"))
-
-
 def autotune() -> int:
     sys.exit(_not_built("graft-autotune", "persistent, shareable Triton config cache"))

@@ -1,0 +1,195 @@
+"""Calibration profiles: the best GraftConfig found for one (target, drafter, device, dtype).
+
+``graft-calibrate`` writes a profile; ``decode`` loads the matching one when no ``config=`` is
+given. A profile is a JSON file under ``$GRAFT_TK_PROFILE_DIR`` (default
+``$GRAFT_TK_HOME/profiles``), named after the target, drafter, device and dtype::
+
+    {"format": "graft_tk.profile/1",
+     "key": {"target": "qwen2.5-coder-1.5b", "target_weights": "cc32...", "drafter": ...,
+             "drafter_weights": ..., "device": "cpu: Intel(R) Xeon(R) ...", "dtype": "bfloat16",
+             "graft_tk": "0.1.0"},
+     "method": "graft", "config": {GraftConfig fields}, "measured": {tokens/s, MAT, ...}}
+
+The file name finds the profile; the full key decides whether it may be used. A profile whose
+weights hash or graft_tk version differs is *stale*, one that does not parse is *corrupt*: both
+are reported (a warning naming the file and the fix) and ignored, never used.
+
+This module must stay light: ``decode`` imports it, so no optuna, no matplotlib.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from graft_tk import __version__
+from graft_tk._fs import atomic_write_text, graft_home
+from graft_tk.config import METHODS, GraftConfig
+from graft_tk.errors import CorruptFileError, GraftError
+from graft_tk.models import Model
+from graft_tk.models.registry import STAMP
+
+FORMAT = "graft_tk.profile/1"
+
+
+class ProfileWarning(UserWarning):
+    """A profile exists for this model pair but is stale or corrupt, so it was ignored."""
+
+
+def profile_dir() -> Path:
+    return Path(os.environ.get("GRAFT_TK_PROFILE_DIR", graft_home() / "profiles")).expanduser()
+
+
+# --------------------------------------------------------------------------- identity
+@dataclass(frozen=True)
+class ProfileKey:
+    target: str
+    target_weights: str
+    drafter: str | None
+    drafter_weights: str | None
+    device: str
+    dtype: str
+    graft_tk: str
+
+    def file_name(self) -> str:
+        """Target, drafter, device and dtype (not weights or version: a mismatch there is *stale*)."""
+        parts = [self.target, self.drafter or "none", self.device, self.dtype]
+        slug = "__".join(re.sub(r"[^A-Za-z0-9._-]+", "-", p).strip("-") for p in parts)
+        return slug[:180] + ".json"
+
+
+def profile_key(target: Model, drafter: Model | None) -> ProfileKey:
+    return ProfileKey(target=target.name, target_weights=weights_fingerprint(target),
+                      drafter=drafter.name if drafter else None,
+                      drafter_weights=weights_fingerprint(drafter) if drafter else None,
+                      device=device_name(target.device), dtype=str(target.dtype).removeprefix("torch."),
+                      graft_tk=__version__)
+
+
+def device_name(device: torch.device) -> str:
+    """A human-readable device identity: the GPU's name, or the CPU model and core count."""
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu: {cpu}, {os.cpu_count()} cores"
+
+
+_FINGERPRINTS: dict[tuple, str] = {}
+
+
+def weights_fingerprint(model: Model) -> str:
+    """A hash that changes when the weights change.
+
+    Registry and GGUF conversions carry their source's sha256 in a stamp file; other checkpoint
+    folders are hashed (config.json and every weight file), memoised by path, size and mtime.
+    Self-drafters (``name[:L]``) differ by name, and the layer count is part of config.json's hash.
+    """
+    path = Path(model.path)
+    stamp = path / STAMP
+    extra = f"layers={model.config.n_layers}"
+    if stamp.exists():
+        try:
+            return hashlib.sha256((json.loads(stamp.read_text())["source_sha256"] + extra).encode()).hexdigest()[:16]
+        except (OSError, ValueError, KeyError):
+            pass  # fall through to hashing the files
+    files = sorted(p for p in path.iterdir() if p.is_file() and (p.suffix in (".safetensors", ".bin")
+                                                                  or p.name == "config.json"))
+    memo = tuple((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files) + (extra,)
+    if memo not in _FINGERPRINTS:
+        h = hashlib.sha256(extra.encode())
+        for p in files:
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+        _FINGERPRINTS[memo] = h.hexdigest()[:16]
+    return _FINGERPRINTS[memo]
+
+
+# --------------------------------------------------------------------------- files
+@dataclass(frozen=True)
+class Profile:
+    key: ProfileKey
+    method: str
+    config: GraftConfig
+    measured: dict
+    path: Path
+
+
+def write_profile(key: ProfileKey, method: str, config: GraftConfig, measured: dict,
+                  directory: Path | None = None) -> Path:
+    """Write the profile atomically (a reader sees the old file or the new one, never half)."""
+    path = Path(directory or profile_dir()) / key.file_name()
+    doc = {"format": FORMAT, "key": dataclasses.asdict(key), "method": method,
+           "config": dataclasses.asdict(config), "measured": measured}
+    atomic_write_text(path, json.dumps(doc, indent=1, default=str) + "\n")
+    return path
+
+
+def read_profile(path: Path) -> Profile:
+    """Parse and validate one profile file; CorruptFileError says what is wrong and how to fix it."""
+    path = Path(path)
+    fix = f"delete {path} or rerun graft-calibrate for this model pair"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptFileError(f"profile {path} is unreadable ({e}); {fix}") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CorruptFileError(f"profile {path} is not a {FORMAT} file; {fix}")
+    try:
+        key = ProfileKey(**doc["key"])
+        cfg = dict(doc["config"])
+        cfg["template"] = tuple(cfg["template"])
+        config = GraftConfig(**cfg)
+        method = doc["method"]
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}")
+        return Profile(key=key, method=method, config=config, measured=dict(doc.get("measured", {})), path=path)
+    except (GraftError, KeyError, TypeError, ValueError) as e:
+        raise CorruptFileError(f"profile {path} has invalid contents ({e}); {fix}") from e
+
+
+def find_profile(target: Model, drafter: Model | None, directory: Path | None = None) -> Profile | None:
+    """The usable profile for this pair, or None. Stale or corrupt ones warn (ProfileWarning) and give None."""
+    key = profile_key(target, drafter)
+    path = Path(directory or profile_dir()) / key.file_name()
+    if not path.exists():
+        return None
+    try:
+        profile = read_profile(path)
+    except CorruptFileError as e:
+        warnings.warn(f"{e}; using the default config", ProfileWarning, stacklevel=3)
+        return None
+    if profile.key != key:
+        diff = ", ".join(f"{f.name} {getattr(profile.key, f.name)!r} != {getattr(key, f.name)!r}"
+                         for f in dataclasses.fields(key) if getattr(profile.key, f.name) != getattr(key, f.name))
+        warnings.warn(f"profile {path} is stale ({diff}); using the default config. Rerun graft-calibrate "
+                      f"--model {target.name} to refresh it", ProfileWarning, stacklevel=3)
+        return None
+    return profile
+
+
+def list_profiles(directory: Path | None = None) -> list[tuple[Path, Profile | CorruptFileError]]:
+    """Every *.json in the profile folder, parsed, or the error that says why it is unusable."""
+    directory = Path(directory or profile_dir())
+    out: list[tuple[Path, Profile | CorruptFileError]] = []
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        try:
+            out.append((path, read_profile(path)))
+        except CorruptFileError as e:
+            out.append((path, e))
+    return out

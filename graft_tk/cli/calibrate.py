@@ -1,0 +1,194 @@
+"""graft-calibrate: find the fastest lossless GraftConfig for a model pair on this machine.
+
+    graft-calibrate --model qwen2.5-coder-1.5b --trials 25 --n-prompts 4
+    graft-calibrate --show
+
+Each trial decodes the tuning prompts for real (greedy, timed, output checked against plain
+decoding); Optuna's TPE picks the next config. The best config is written as a profile that
+``graft_tk.decode`` and graft-generate load by default for this (target, drafter, device, dtype).
+Studies live in Optuna storage, so rerunning the same command resumes the search.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import sys
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ..bench import default_drafter, load_drafter
+from ..config import METHODS, USES_DRAFTER
+from ..errors import CorruptFileError, GraftError, InputError
+from ..models import load_model
+from ..prompts import Prompt, load_prompts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="graft-calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="target: built-in name, checkpoint folder, .gguf file or cached HF repo id "
+                                   "(e.g. qwen3 = Qwen/Qwen3-8B from the local HF cache)")
+    p.add_argument("--drafter", default=None,
+                   help="a model name or path, self:L (the target's first L layers) or none "
+                        "(default: the registry's pair for --model)")
+    p.add_argument("--methods", default="graft",
+                   help="comma list searched as a parameter too, e.g. graft,pruned,pld (default: %(default)s)")
+    p.add_argument("--prompts", default="humaneval",
+                   help="humaneval | spec-bench | PATH.jsonl (Spec-Bench 'turns' or one 'prompt' per line)")
+    p.add_argument("--n-prompts", type=int, default=4, help="tuning prompts (default: %(default)s)")
+    p.add_argument("--validate", type=int, default=4, metavar="N",
+                   help="afterwards, time best vs default on N other prompts from --prompts (0 = skip; default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--trials", type=int, default=20, help="trials to run in this invocation (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=None, help="stop starting trials after this many seconds")
+    p.add_argument("--objectives", default="speed", choices=["speed", "speed,mat"],
+                   help="speed: maximise tokens/s (prunes hopeless trials); speed,mat: Pareto front of both")
+    p.add_argument("--repeats", type=int, default=1, help="timed decodes per prompt and trial (median kept)")
+    p.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite under GRAFT_TK_HOME)")
+    p.add_argument("--study-name", default=None, help="default: derived from model, drafter, device, dtype")
+    p.add_argument("--profile-dir", default=None, help="where profiles go (default: GRAFT_TK_PROFILE_DIR or "
+                                                       "GRAFT_TK_HOME/profiles; decode reads the same place)")
+    p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default bf16)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--seed", type=int, default=0, help="TPE sampler seed")
+    p.add_argument("--show", action="store_true", help="list profiles and studies, then exit")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        if args.show:
+            return show(args)
+        if not args.model:
+            raise InputError("--model is required (or --show)")
+        return run(args)
+    except GraftError as e:
+        print(f"graft-calibrate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    from ..calibration import report, search
+    from ..calibration.profiles import profile_key, write_profile
+
+    methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
+    bad = [m for m in methods if m not in METHODS or m == "ar"]
+    if bad or not methods:
+        raise InputError(f"--methods: unknown or not speculative: {', '.join(bad) or args.methods!r}; "
+                         f"choose from {', '.join(m for m in METHODS if m != 'ar')}")
+    if args.n_prompts < 1 or args.validate < 0:
+        raise InputError("--n-prompts must be >= 1 and --validate >= 0")
+    target = load_model(args.model, dtype=args.dtype, device=args.device)
+    drafter_spec = args.drafter or default_drafter(args.model)
+    if drafter_spec is None and any(m in USES_DRAFTER for m in methods):
+        raise InputError(f"no known drafter pairs with {args.model}: pass --drafter NAME (same tokenizer), "
+                         "--drafter self:L, or --drafter none --methods retrieval,pld")
+    drafter = load_drafter(drafter_spec, args.model, dtype=args.dtype, device=args.device)
+    tune, held_out = split_prompts(load_prompts(args.prompts), args.n_prompts, args.validate)
+    task = search.Task(target=target, drafter=drafter, prompts=tune, validation=held_out,
+                       max_new_tokens=args.max_new_tokens, methods=methods, objectives=args.objectives,
+                       repeats=args.repeats, seed=args.seed)
+    storage = args.storage or search.default_storage()
+    name = args.study_name or search.default_study_name(target, drafter, args.objectives)
+    study = search.open_study(storage, name, task)
+    print(f"study {name!r} in {storage}: {len(study.trials)} earlier trials; running {args.trials} more "
+          f"on {len(tune)} prompts x {args.max_new_tokens} tokens", file=sys.stderr)
+
+    bar = tqdm(total=args.trials, desc="trials", unit="trial")
+
+    def on_trial(study, trial):
+        best = search.best_trial(study)
+        bar.set_postfix_str(f"best {best.values[0]:.2f} tok/s (#{best.number})" if best else "no complete trial")
+        bar.update(1)
+
+    outcome = search.calibrate(task, study, args.trials, args.timeout, on_trial=on_trial,
+                               log=lambda msg: bar.write(msg))
+    bar.close()
+    profile_path = png = None
+    if outcome.best is not None:
+        method, config = search.config_of(outcome.best)
+        chosen = "best"
+        if held_out:
+            default_method, default_config = ("graft" if "graft" in methods else methods[0]), type(config)()
+            print(f"held-out check on {len(held_out)} prompts: best vs default ...", file=sys.stderr)
+            outcome.validation = search.validate(task, {"best": (method, config),
+                                                        "default": (default_method, default_config)})
+            v = outcome.validation["tokens_per_s"]
+            if v["default"] > v["best"] or outcome.validation["mismatches"]["best"]:
+                method, config, chosen = default_method, default_config, "default"
+        b = outcome.best
+        measured = {"chosen": chosen, "trial": b.number, "tokens_per_s": b.values[0],
+                    "speedup_vs_ar": b.user_attrs["speedup_vs_ar"], "mat": b.user_attrs["mat"],
+                    "ar_tokens_per_s": outcome.ar_tokens_per_s,
+                    "default_tokens_per_s": outcome.default.values[0] if outcome.default else None,
+                    "warm_start_tau": outcome.warm.tau if outcome.warm else None,
+                    "validation": outcome.validation, "study": name, "storage": storage,
+                    "prompts": args.prompts, "tuning_prompts": [p.id for p in tune],
+                    "max_new_tokens": args.max_new_tokens, "trials": len(study.trials),
+                    "calibrated_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        key = profile_key(target, drafter)
+        profile_path = write_profile(key, method, config, measured, Path(args.profile_dir) if args.profile_dir else None)
+        png = report.plot_trials(study, profile_path.with_suffix(".png"), f"{target.name} + "
+                                 f"{drafter.name if drafter else 'no drafter'}, {key.dtype}, {key.device}")
+        if chosen == "default":
+            print("note: the tuned config did not beat the default on the held-out prompts; the profile keeps "
+                  "the default config", file=sys.stderr)
+    print(report.summary(outcome, profile_path, png))
+    return 0 if outcome.best is not None else 1
+
+
+def split_prompts(prompts: list[Prompt], n_tune: int, n_validate: int) -> tuple[list[Prompt], list[Prompt]]:
+    """Round-robin over categories (so a mixed file tunes on all of them), then tune / held-out."""
+    by_cat: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    mixed = [q for group in _zip_longest(*by_cat.values()) for q in group if q is not None]
+    if len(mixed) < n_tune + n_validate:
+        raise InputError(f"need {n_tune} tuning + {n_validate} held-out prompts, the source has {len(mixed)}; "
+                         "lower --n-prompts / --validate or pass a larger prompt file")
+    return mixed[:n_tune], mixed[n_tune:n_tune + n_validate]
+
+
+def _zip_longest(*lists):
+    n = max(map(len, lists), default=0)
+    return [tuple(lst[i] if i < len(lst) else None for lst in lists) for i in range(n)]
+
+
+def show(args) -> int:
+    import optuna
+
+    from ..calibration import search
+    from ..calibration.profiles import list_profiles, profile_dir
+
+    directory = Path(args.profile_dir) if args.profile_dir else profile_dir()
+    entries = list_profiles(directory)
+    print(f"profiles in {directory}: {len(entries) or 'none'}")
+    for path, prof in entries:
+        if isinstance(prof, CorruptFileError):
+            print(f"  {path.name}: UNUSABLE — {prof}")
+            continue
+        c, m = prof.config, prof.measured
+        print(f"  {path.name}\n    {prof.key.target} + {prof.key.drafter or 'no drafter'} | {prof.key.device} | "
+              f"{prof.key.dtype} | graft_tk {prof.key.graft_tk}\n    {prof.method}: tau={c.tau:.3g} N={c.budget} "
+              f"K={c.top_k} D={c.max_depth} k={c.retrieval_k} template={c.template}; "
+              f"{m.get('tokens_per_s', float('nan')):.2f} tok/s, {m.get('speedup_vs_ar', float('nan')):.2f}x ar "
+              f"(tuning prompts), calibrated {m.get('calibrated_at', '?')}")
+    storage = args.storage or search.default_storage()
+    try:
+        studies = optuna.get_all_study_summaries(storage)
+    except Exception as e:  # noqa: BLE001
+        raise InputError(f"cannot open Optuna storage {storage!r}: {type(e).__name__}: {e}") from e
+    print(f"studies in {storage}: {len(studies) or 'none'}")
+    for s in studies:
+        best = f", best {s.best_trial.values[0]:.2f} tok/s" if s.best_trial is not None and s.best_trial.values else ""
+        print(f"  {s.study_name}: {s.n_trials} trials{best}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
