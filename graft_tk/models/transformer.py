@@ -11,17 +11,27 @@ accepted tree path moves every layer's K and V with a single indexed copy.
 Speculative decoding needs two things from the forward pass:
   * tree attention: new tokens are written to cache slots ``[start, start + T)`` and a bool
     ``attn_mask[T, start + T]`` says which cached slots each new token may see (its prefix and
-    its own ancestors). Without a mask the new tokens attend causally.
+    its own ancestors). Without a mask the new tokens attend causally. The split form
+    ``mask_prefix=P, attn_mask[T, start + T - P]`` says the same without materialising the
+    all-True columns of the prefix.
   * explicit positions: a tree node's RoPE position is ``prefix_len + depth``, not its slot.
+
+Attention runs on one of two backends (``Transformer.attention_backend``): ``"torch"`` (SDPA on
+the full mask, the default) or ``"triton"`` (``graft_tk.kernels.tree_attention``: flash-style,
+prefix keys read without a mask); ``"auto"`` = Triton on CUDA, torch elsewhere.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from ..backend import BACKENDS, resolve_backend
+from ..errors import InputError
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -111,8 +121,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, start: int,
-                attn_mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, start: int, mask: AttentionMask) -> Tensor:
         # x: [B, T, dim]; kv: this layer's cache [2, B, Hkv, S, Dh]
         B, T, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -128,13 +137,11 @@ class Attention(nn.Module):
         end = start + T
         kv[0, :, :, start:end] = k
         kv[1, :, :, start:end] = v
-        keys, values = kv[0, :, :, :end], kv[1, :, :, :end]
-        if attn_mask is None and T == 1:
-            out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+        if mask.kernel is not None:  # Triton: reads keys [0, end) of the cache in place
+            out = mask.kernel(q, kv[0], kv[1], mask.prefix_len, mask.block)
         else:
-            if attn_mask is None:
-                attn_mask = causal_mask(start, T, x.device)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, enable_gqa=True)
+            keys, values = kv[0, :, :, :end], kv[1, :, :, :end]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.full, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(B, T, q_size))
 
 
@@ -158,8 +165,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, kv, start, attn_mask):
-        x = x + self.attention(self.attention_norm(x), cos, sin, kv, start, attn_mask)
+    def forward(self, x, cos, sin, kv, start, mask):
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, start, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -168,6 +175,44 @@ def causal_mask(start: int, T: int, device) -> Tensor:
     cols = torch.arange(start + T, device=device)
     rows = torch.arange(T, device=device)[:, None] + start
     return cols[None, :] <= rows
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """One forward's mask, built once for all layers, in the form its backend reads.
+
+    torch:  ``full`` [T, start + T] bool, or None for T = 1 without a mask (SDPA sees all keys).
+    triton: keys [0, prefix_len) visible to every query, ``block`` [T, start + T - prefix_len]
+            for the rest, ``kernel`` = ``graft_tk.kernels.tree_attention.tree_attention``.
+    """
+    full: Tensor | None = None
+    prefix_len: int = 0
+    block: Tensor | None = None
+    kernel: Callable | None = None
+
+
+def attention_mask(backend: str, start: int, T: int, attn_mask: Tensor | None, mask_prefix: int | None,
+                   device) -> AttentionMask:
+    """The ``AttentionMask`` of a forward of T new tokens at ``start`` (see Transformer.forward)."""
+    prefix = mask_prefix or 0
+    if not 0 <= prefix <= start + T:
+        raise InputError(f"mask_prefix must be in [0, start + T = {start + T}], got {mask_prefix}")
+    if attn_mask is not None and tuple(attn_mask.shape) != (T, start + T - prefix):
+        form = "[T, start + T]" if mask_prefix is None else "[T, start + T - mask_prefix]"
+        raise InputError(f"attn_mask must be {form} = [{T}, {start + T - prefix}], got {list(attn_mask.shape)}")
+    if backend == "triton":
+        # Imported here: graft_tk.kernels sets TRITON_INTERPRET before any kernel exists, and a
+        # torch-only user never imports Triton.
+        from ..kernels.tree_attention import tree_attention
+        if attn_mask is None:  # causal = every cached slot + lower-triangular over the new tokens
+            block = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+            return AttentionMask(prefix_len=start, block=block, kernel=tree_attention)
+        return AttentionMask(prefix_len=prefix, block=attn_mask, kernel=tree_attention)
+    if attn_mask is None:
+        return AttentionMask(full=None if T == 1 else causal_mask(start, T, device))
+    if prefix:
+        attn_mask = torch.cat([torch.ones(T, prefix, dtype=torch.bool, device=device), attn_mask], dim=1)
+    return AttentionMask(full=attn_mask)
 
 
 class Transformer(nn.Module):
@@ -180,6 +225,19 @@ class Transformer(nn.Module):
         self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.kv: Tensor | None = None  # [L, 2, B, Hkv, S, Dh], see setup_cache
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.attention_backend = "torch"
+
+    @property
+    def attention_backend(self) -> str:
+        """``"torch"`` (SDPA, default), ``"triton"`` (the tree attention kernel) or ``"auto"``
+        (Triton on CUDA, torch elsewhere); resolved at each forward from the tokens' device."""
+        return self._attention_backend
+
+    @attention_backend.setter
+    def attention_backend(self, name: str) -> None:
+        if name not in BACKENDS:
+            raise InputError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")
+        self._attention_backend = name
 
     @property
     def lm_head_weight(self) -> Tensor:
@@ -201,18 +259,25 @@ class Transformer(nn.Module):
                 self.kv = torch.zeros(c.n_layers, 2, batch_size, c.n_kv_heads, max_seq_len, c.head_dim,
                                   dtype=w.dtype, device=w.device)
 
-    def forward(self, tokens: Tensor, positions: Tensor, start: int,
-                attn_mask: Tensor | None = None, last_only: bool = False) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor, start: int, attn_mask: Tensor | None = None,
+                last_only: bool = False, mask_prefix: int | None = None) -> Tensor:
         """Run new tokens against the cache and return logits (fp32).
 
-        tokens:    [B, T] int64 token ids, written to cache slots [start, start + T)
-        positions: [B, T] or [T] int64 RoPE positions (prefix_len + depth for tree nodes)
-        attn_mask: [T, start + T] bool, True = may attend; None = causal
-        last_only: return logits of the last token only ([B, 1, V]), e.g. after prefill
-        returns    [B, T, V] float32
+        tokens:      [B, T] int64 token ids, written to cache slots [start, start + T)
+        positions:   [B, T] or [T] int64 RoPE positions (prefix_len + depth for tree nodes)
+        attn_mask:   [T, start + T] bool, True = may attend; None = causal
+        last_only:   return logits of the last token only ([B, 1, V]), e.g. after prefill
+        mask_prefix: split form of attn_mask: slots [0, mask_prefix) are visible to every new
+                     token and attn_mask is [T, start + T - mask_prefix] over the slots after
+                     them; e.g. tree verify: mask_prefix=start, attn_mask=tree.attn_mask().
+                     Same result; the Triton backend then reads no mask for the prefix keys.
+        returns      [B, T, V] float32
         """
-        if self.kv is None or start + tokens.shape[1] > self.cache_len:
-            raise RuntimeError(f"KV cache holds {self.cache_len} slots; call setup_cache(>= {start + tokens.shape[1]})")
+        T = tokens.shape[1]
+        if self.kv is None or start + T > self.cache_len:
+            raise RuntimeError(f"KV cache holds {self.cache_len} slots; call setup_cache(>= {start + T})")
+        backend = resolve_backend(self.attention_backend, tokens.device)
+        mask = attention_mask(backend, start, T, attn_mask, mask_prefix, tokens.device)
         if positions.dim() == 1:
             positions = positions[None].expand(tokens.shape[0], -1)
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, Dh/2]
@@ -220,7 +285,7 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)
         cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, self.kv[i], start, attn_mask)
+            x = layer(x, cos, sin, self.kv[i], start, mask)
         if last_only:
             x = x[:, -1:]
         return F.linear(self.norm(x), self.lm_head_weight).float()

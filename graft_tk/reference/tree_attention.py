@@ -1,0 +1,87 @@
+"""Tree attention: queries attend to a shared prefix of the KV cache plus a masked block.
+
+One form covers every attention of a decode step (``prefix_len`` keys visible to all queries,
+then ``mask`` over the next ``L`` keys):
+
+    tree verification     prefix = committed KV            mask = the tree's ancestor mask [N, N]
+    drafter frontier      prefix = committed KV + root     mask = rows over the scratch slots
+    causal prefill        prefix = start                   mask = lower-triangular [T, T]
+    T = 1 decode          prefix = start                   mask = [[True]]
+
+Worked example: prefix_len = 7 and the 6-node tree of ``graft_tk.tree``: query 3 (node c) sees
+keys 0..6 (the prefix) and keys 7 + {0, 1, 3} (root, a, c); 10 keys of the 13-key window.
+
+A query row that sees no key at all (prefix_len = 0 and an all-False mask row) outputs zeros
+(SDPA would give NaN): such rows are padding, and zeros keep them from poisoning later layers.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch import Tensor
+
+
+def check_tree_attention_args(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tensor) -> int:
+    """Validate shapes, dtypes and devices; return ``prefix_len`` as an int. Raises ValueError."""
+    prefix_len = operator.index(prefix_len)  # a Python int: a tensor here would mean a host sync
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-d [B, H, T|S, D]; got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    B, Hq, T, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k and v must both be [B={B}, Hkv, S, D={D}]; got {list(k.shape)} and {list(v.shape)}")
+    Hkv, S = k.shape[1], k.shape[2]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"q, k, v must share one dtype of float32/float16/bfloat16; "
+                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
+    if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[0] != T:
+        raise ValueError(f"mask must be bool [T={T}, L]; got {mask.dtype} {list(mask.shape)}")
+    if not 0 <= prefix_len <= S - mask.shape[1]:
+        raise ValueError(f"prefix_len ({prefix_len}) + mask columns ({mask.shape[1]}) must fit the "
+                         f"{S} cached keys, with prefix_len >= 0")
+    if not (q.device == k.device == v.device == mask.device):
+        raise ValueError(f"q, k, v, mask must be on one device; got {q.device}, {k.device}, {v.device}, {mask.device}")
+    return prefix_len
+
+
+def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tensor,
+                   scale: float | None = None) -> Tensor:
+    """Attention of T queries over a visible prefix plus a masked block of the KV cache.
+
+    Parameters
+    ----------
+    q : Tensor, float32/float16/bfloat16 [B, Hq, T, D]
+        Queries. Query head h reads kv head ``h // (Hq // Hkv)`` (grouped-query attention).
+    k, v : Tensor, same dtype as q, [B, Hkv, S, D]
+        Keys and values, e.g. the static cache; only the first ``kv_len = prefix_len + L`` are read.
+    prefix_len : int
+        Keys ``[0, prefix_len)`` are visible to every query.
+    mask : Tensor, bool [T, L]
+        Key ``prefix_len + j`` is visible to query i iff ``mask[i, j]``.
+    scale : float, optional
+        Softmax scale; default ``1 / sqrt(D)``.
+
+    Returns
+    -------
+    Tensor, q's dtype, [B, Hq, T, D]
+        softmax(q k^T * scale over visible keys) v, accumulated in float32; zeros for a query
+        that sees no key.
+    """
+    prefix_len = check_tree_attention_args(q, k, v, prefix_len, mask)
+    B, Hq, T, D = q.shape
+    group = Hq // k.shape[1]
+    kv_len = prefix_len + mask.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+
+    visible = torch.cat([torch.ones(T, prefix_len, dtype=torch.bool, device=mask.device), mask], dim=1)
+    keys = k[:, :, :kv_len].float().repeat_interleave(group, dim=1)      # [B, Hq, kv_len, D]
+    values = v[:, :, :kv_len].float().repeat_interleave(group, dim=1)
+    scores = (q.float() @ keys.transpose(-1, -2)) * scale                 # [B, Hq, T, kv_len]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)                                 # NaN on rows with no key
+    out = probs @ values
+    out = torch.where(visible.any(-1)[:, None], out, torch.zeros((), device=out.device))
+    return out.to(q.dtype)
