@@ -11,13 +11,20 @@ budget that dynamic-depth pruning freed. Worked example (budget_n = 5)::
                             beneath a drafted node)
                       y  -> budget full (5 nodes): dropped
     result           tokens [r, a, b, c, x]  parents [-1, 0, 0, 0, 1]
+
+``build_tree`` is the whole step-2..6 pipeline as ONE op (the Triton kernel in
+``graft_tk.kernels.graft_merge`` has the same signature): prune + rerank the drafter's candidate
+pool, build the drafted tree, graft every retrieval source, and emit fixed-shape tree tensors plus
+the bit-packed ancestor mask, so the device never waits for the host.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from ..tree import RETRIEVAL, Tree
+from ..tree import DRAFT, RETRIEVAL, ROOT, Tree
 from .retrieval import RetrievalTemplate
 
 
@@ -75,11 +82,35 @@ def graft_merge(draft: Tree, retrieved_tokens: Tensor, template: RetrievalTempla
     if retrieved_tokens.shape != (template.n,):
         raise ValueError(f"retrieved_tokens must be [T={template.n}], got {list(retrieved_tokens.shape)}")
 
+    src = torch.full((template.n,), source, dtype=torch.int8, device=retrieved_tokens.device)
+    return graft_candidates(draft, retrieved_tokens, template.parents, src, budget_n)
+
+
+def graft_candidates(draft: Tree, cand_tokens: Tensor, cand_parents: Tensor, cand_source: Tensor,
+                     budget_n: int) -> Tree:
+    """``graft_merge`` for candidates from any number of sources, concatenated.
+
+    cand_tokens int64 [C] (-1 = missing), cand_parents int [C] (-1 = child of the root, else an
+    earlier candidate index), cand_source int8 [C] (source code of each candidate's new node).
+    Candidates are visited in index order with the rules of ``graft_merge``; a prompt-lookup
+    chain followed by the template (its parents shifted by the chain length) gives the same tree
+    as two ``graft_merge`` calls. Returns the merged tree (CPU reference: host loop, syncs).
+    """
+    if not isinstance(budget_n, int) or budget_n < 1:
+        raise ValueError(f"budget_n must be an int >= 1, got {budget_n!r}")
+    if draft.n > budget_n:
+        raise ValueError(f"the drafted tree has {draft.n} nodes, more than budget_n = {budget_n}")
+    C = cand_tokens.shape[0]
+    if cand_tokens.dim() != 1 or cand_parents.shape != (C,) or cand_source.shape != (C,):
+        raise ValueError(f"cand_tokens, cand_parents, cand_source must be 1-D of one length, got "
+                         f"{list(cand_tokens.shape)}, {list(cand_parents.shape)}, {list(cand_source.shape)}")
     tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
-    depth = draft.depth.tolist()
+    depth, source = draft.depth.tolist(), draft.source.tolist()
     node_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}
-    mapped: list[int] = []  # template node -> tree node, -1 = dropped
-    for tok, tpar in zip(retrieved_tokens.tolist(), template.parents.tolist()):
+    mapped: list[int] = []  # candidate -> tree node, -1 = dropped
+    for c, (tok, tpar, src) in enumerate(zip(cand_tokens.tolist(), cand_parents.tolist(), cand_source.tolist())):
+        if not -1 <= tpar < c:
+            raise ValueError(f"candidate {c} has parent {tpar}; need -1 (root) or an earlier candidate")
         parent = 0 if tpar < 0 else mapped[tpar]
         if tok < 0 or parent < 0:
             mapped.append(-1)
@@ -91,6 +122,7 @@ def graft_merge(draft: Tree, retrieved_tokens: Tensor, template: RetrievalTempla
             tokens.append(tok)
             parents.append(parent)
             depth.append(depth[parent] + 1)
+            source.append(src)
         mapped.append(node)
 
     n_new = len(tokens) - draft.n
@@ -99,6 +131,137 @@ def graft_merge(draft: Tree, retrieved_tokens: Tensor, template: RetrievalTempla
         tokens=torch.tensor(tokens, dtype=torch.int64, device=dev),
         parents=torch.tensor(parents, dtype=torch.int32, device=dev),
         depth=torch.tensor(depth, dtype=torch.int32, device=dev),
-        source=torch.cat([draft.source, torch.full((n_new,), source, dtype=torch.int8, device=dev)]),
+        source=torch.tensor(source, dtype=torch.int8, device=dev),
         scores=torch.cat([draft.scores, torch.full((n_new,), float("-inf"), dtype=torch.float32, device=dev)]),
     )
+
+
+# --------------------------------------------------------------------------- build_tree: the fused op
+def select_nodes(parents: Tensor, scores: Tensor, n_keep: int, log_tau: float) -> Tensor:
+    """Pool ids of the best ``n_keep`` nodes scoring >= log_tau, closed under parents, in pool order.
+
+    Ranking: score descending, equal scores -> lower pool id first (a stable sort). A child never
+    outscores its parent (log p <= 0) and ties keep the parent (lower id) first, so the top scores
+    already form a tree; the closure pass only matters for pools that break that rule.
+    (The spec of ``graft_tk.drafting.select_nodes``, moved here with ``build_tree``.)
+    """
+    if n_keep <= 0:
+        return torch.zeros(0, dtype=torch.long, device=scores.device)
+    eligible = scores >= log_tau          # the Python float is rounded to float32, as in the kernel
+    order = torch.argsort(torch.where(eligible, scores, -torch.inf), descending=True, stable=True)
+    chosen = order[:n_keep][eligible[order[:n_keep]]]
+    parent_of = parents.tolist()  # one transfer, then a host walk over <= N-1 nodes
+    kept: set[int] = set()
+    for i in chosen.sort().values.tolist():  # pool order = parents first
+        if parent_of[i] < 0 or parent_of[i] in kept:
+            kept.add(i)
+    return torch.tensor(sorted(kept), dtype=torch.long, device=scores.device)
+
+
+def draft_as_tree(tokens: Tensor, parents: Tensor, scores: Tensor, depths: Tensor, keep: Tensor,
+                  root_token: int | Tensor) -> Tree:
+    """Root + the pool entries ``keep`` (pool order) as a Tree (``graft_tk.drafting._as_tree``)."""
+    device = tokens.device
+    remap = torch.full((tokens.shape[0],), -1, dtype=torch.long, device=device)
+    remap[keep] = torch.arange(1, keep.shape[0] + 1, device=device)
+    kept_parents = parents[keep].long()
+    tree_parents = torch.where(kept_parents < 0, 0, remap[kept_parents.clamp(min=0)])
+    n = keep.shape[0] + 1
+    source = torch.full((n,), DRAFT, dtype=torch.int8, device=device)
+    source[0] = ROOT
+    return Tree(
+        tokens=torch.cat([torch.as_tensor(root_token, dtype=torch.int64, device=device).reshape(1), tokens[keep]]),
+        parents=torch.cat([torch.tensor([-1], device=device), tree_parents]).to(torch.int32),
+        depth=torch.cat([torch.zeros(1, dtype=torch.long, device=device), depths[keep].long()]).to(torch.int32),
+        source=source,
+        scores=torch.cat([torch.zeros(1, device=device), scores[keep].float()]),
+    )
+
+
+class BuiltTree(NamedTuple):
+    """``build_tree``'s outputs: fixed shapes (N = budget_n), valid prefix ``n_nodes``.
+
+    Padding (entries ``n_nodes .. N-1``) is inert: token -1, parent -1, depth 0, source -1,
+    score -inf, pool_index -1, and a mask row holding only its own bit, so an attention over all
+    N rows never meets an empty row and no real row ever sees a padding column.
+    """
+
+    tokens: Tensor      # int64 [N]
+    parents: Tensor     # int32 [N]  -1 for the root
+    depth: Tensor       # int32 [N]
+    source: Tensor      # int8 [N]   ROOT / DRAFT / RETRIEVAL / PROMPT_LOOKUP (cand_source)
+    scores: Tensor      # float32 [N] drafter score; 0 root, -inf grafted nodes
+    pool_index: Tensor  # int64 [N]  pool entry of each drafted node, -1 otherwise
+    mask: Tensor        # int32 [N, ceil(N/32)] ancestor bits, layout of Tree.packed_mask
+    n_nodes: Tensor     # int64 []   valid prefix length
+
+    def to_tree(self) -> Tree:
+        """The valid prefix as a ``Tree``: reads ``n_nodes`` (the step's one host sync here)."""
+        n = int(self.n_nodes)
+        return Tree(tokens=self.tokens[:n], parents=self.parents[:n], depth=self.depth[:n],
+                    source=self.source[:n], scores=self.scores[:n])
+
+
+def _pack_rows(mask: Tensor) -> Tensor:
+    """bool [N, N] -> int32 [N, ceil(N/32)], column j = bit j % 32 of word j // 32 (Tree.packed_mask)."""
+    n = mask.shape[0]
+    words = (n + 31) // 32
+    wide = torch.zeros(n, words * 32, dtype=torch.int64, device=mask.device)
+    wide[:, :n] = mask.long()
+    packed = (wide.view(n, words, 32) * 2 ** torch.arange(32, dtype=torch.int64, device=mask.device)).sum(-1)
+    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+
+
+def build_tree(pool_tokens: Tensor, pool_parents: Tensor, pool_scores: Tensor, pool_depth: Tensor,
+               n_pool: int | Tensor, root_token: int | Tensor, log_tau: float,
+               cand_tokens: Tensor, cand_parents: Tensor, cand_source: Tensor, budget_n: int) -> BuiltTree:
+    """Prune + rerank the drafter's pool, graft the retrieval candidates, emit the tree tensors.
+
+    Parameters
+    ----------
+    pool_tokens : int64 [P]      drafted candidates in creation order (as ``draft_tree`` builds them)
+    pool_parents : int64 [P]     -1 = child of the root, else an earlier pool index
+    pool_scores : float32 [P]    cumulative drafter log-prob
+    pool_depth : int [P]         depth of each entry (root children: 1)
+    n_pool : int or int 0-dim    only entries ``< n_pool`` are valid (P may be larger)
+    root_token : int64 0-dim     the last committed token
+    log_tau : float              keep pool entries scoring >= log_tau (-inf: keep all)
+    cand_tokens : int64 [C]      retrieval candidates, -1 = missing (e.g. prompt-lookup chain + template)
+    cand_parents : int32 [C]     -1 = child of the root, else an earlier candidate index
+    cand_source : int8 [C]       source code of each candidate (RETRIEVAL, PROMPT_LOOKUP)
+    budget_n : int               N, nodes in the tree including the root, >= 1
+
+    Returns
+    -------
+    BuiltTree of fixed shapes (see its docstring; ``.to_tree()`` slices to ``n_nodes``).
+
+    Semantics: the pool entries scoring >= log_tau, the best N-1 by score (equal scores: lower
+    pool index first), closed under parents, become nodes 1.. in pool order (``select_nodes`` +
+    ``draft_as_tree``); the candidates are then grafted in index order (``graft_candidates``).
+    CPU reference: host loops, syncs; the kernel does the same on device in one launch.
+    """
+    P = pool_tokens.shape[0]
+    if not isinstance(budget_n, int) or budget_n < 1:
+        raise ValueError(f"budget_n must be an int >= 1, got {budget_n!r}")
+    if pool_tokens.dim() != 1 or any(t.shape != (P,) for t in (pool_parents, pool_scores, pool_depth)):
+        raise ValueError(f"pool tensors must be 1-D of one length P={P}")
+    n = int(n_pool)
+    if not 0 <= n <= P:
+        raise ValueError(f"n_pool must be in [0, P={P}], got {n}")
+    keep = select_nodes(pool_parents[:n], pool_scores[:n], budget_n - 1, log_tau)
+    draft = draft_as_tree(pool_tokens, pool_parents, pool_scores, pool_depth, keep, root_token)
+    tree = graft_candidates(draft, cand_tokens, cand_parents, cand_source, budget_n)
+
+    N, m, dev = budget_n, tree.n, pool_tokens.device
+
+    def pad(t: Tensor, value, dtype) -> Tensor:
+        return torch.cat([t.to(dtype), torch.full((N - m,), value, dtype=dtype, device=dev)])
+
+    mask = torch.eye(N, dtype=torch.bool, device=dev)
+    mask[:m, :m] = tree.attn_mask()
+    pool_index = torch.full((N,), -1, dtype=torch.int64, device=dev)
+    pool_index[1:draft.n] = keep                                  # grafted nodes and padding: -1
+    return BuiltTree(tokens=pad(tree.tokens, -1, torch.int64), parents=pad(tree.parents, -1, torch.int32),
+                     depth=pad(tree.depth, 0, torch.int32), source=pad(tree.source, -1, torch.int8),
+                     scores=pad(tree.scores, float("-inf"), torch.float32), pool_index=pool_index,
+                     mask=_pack_rows(mask), n_nodes=torch.tensor(m, dtype=torch.int64, device=dev))

@@ -1,0 +1,156 @@
+"""Draft expansion in one Triton launch: log-softmax + per-row top-K + cumulative scores +
+global top-K (the next frontier) + the stop flag. Same signature and tie order as
+``graft_tk.reference.draft_expand.draft_expand``.
+
+One program (grid (1,)) streams the whole [F, V] logits tile by tile: every row at once, so each
+iteration is one [F_PAD, BLOCK_V] tile (4096 elements), an online log-sum-exp per row and a merge
+of the tile into a running top-K per row. The global top-K over the F*K children needs every row
+finished, and F <= K <= 16 rows is too little work to pay for a second launch or a cross-program
+handshake, so the same program finishes it. F=16 x V=151936 fp32 is 9.7 MB through one SM; if a
+profile shows that matters, split V over programs and merge per-program top-Ks (two launches).
+
+Ranking uses int64 keys (``_desc_key``, the reference's ``desc_key``): float32 bits mapped to an
+order-preserving int in the high word, ``2**31 - 1 - index`` in the low word. Keys are unique, so
+"larger value, then lower index" is a plain integer max and ties break exactly like the
+reference's stable order; the winning token and its logit are both decoded from the key.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import launch, next_pow2
+
+_TILE = 4096     # logits per loop iteration: F_PAD * BLOCK_V (16 fp32 + 16 int64 per thread at 8 warps)
+# Globals read inside @triton.jit must be constexpr.
+_MIN_KEY = tl.constexpr(-9223372036854775808)   # below every key: "taken" / out of range
+_MAX_KEY = tl.constexpr(9223372036854775807)
+
+
+@triton.jit
+def _desc_key(x, idx):
+    """int64 key: descending key order = (x descending, idx ascending); -0.0 folded onto +0.0."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(x == 0, 0, bits)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)   # negative floats: flip magnitude bits
+    return (ordered.to(tl.int64) << 32) + (2147483647 - idx.to(tl.int64))
+
+
+@triton.jit
+def _key_index(key):
+    """The index ``_desc_key`` stored in the low word."""
+    return 2147483647 - (key - ((key >> 32) << 32))
+
+
+@triton.jit
+def _key_value(key):
+    """The float32 value ``_desc_key`` stored in the high word (-0.0 comes back as +0.0)."""
+    ordered = (key >> 32).to(tl.int32)
+    bits = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _draft_expand_kernel(
+    # pointers
+    frontier_ptr, logits_ptr,
+    tokens_ptr, parents_ptr, scores_ptr, next_ptr, stop_ptr,
+    # sizes, strides, scalars
+    F, V, stride_f, log_tau,
+    # meta-parameters
+    K: tl.constexpr, F_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    rows = tl.arange(0, F_PAD)
+    slots = tl.arange(0, K_PAD)
+    row_ok = rows < F
+    # Running top-K keys per row, unsorted. Start with sentinels MIN_KEY + slot: distinct (so
+    # `run == worst` picks one slot) and below every real key (the smallest, -inf with index
+    # 2**31 - 1, is ~ -2**62.99). Padding slots hold MAX so they are never the row minimum.
+    # (int64 before adding: a Python int meeting an int32 tensor is cast to int32.)
+    sentinel = (slots[None, :] + 0 * rows[:, None]).to(tl.int64) + _MIN_KEY
+    run = tl.where(slots[None, :] < K, sentinel, _MAX_KEY)                     # [F_PAD, K_PAD]
+    m = tl.full([F_PAD], float("-inf"), tl.float32)                           # running max
+    s = tl.zeros([F_PAD], tl.float32)                                         # sum exp(x - m)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        ok = row_ok[:, None] & (cols[None, :] < V)
+        x = tl.load(logits_ptr + rows[:, None] * stride_f + cols[None, :], mask=ok,
+                    other=float("-inf")).to(tl.float32)                       # [F_PAD, BLOCK_V]
+        # Online log-sum-exp; m_safe avoids (-inf) - (-inf) = nan while a row has seen only -inf.
+        m_new = tl.maximum(m, tl.max(x, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), 1)
+        m = m_new
+        # Merge the tile into the running top-K: while some row's best tile key beats its worst
+        # kept key, swap them. At most K rounds; after the first tiles usually 0-1, because a
+        # tile rarely holds one of the K best logits seen so far.
+        key = tl.where(ok, _desc_key(x, cols[None, :]), _MIN_KEY)
+        best = tl.max(key, 1)
+        worst = tl.min(run, 1)
+        while tl.max((best > worst).to(tl.int32), 0) > 0:
+            take = best > worst
+            run = tl.where(take[:, None] & (run == worst[:, None]), best[:, None], run)
+            key = tl.where(take[:, None] & (key == best[:, None]), _MIN_KEY, key)
+            best = tl.max(key, 1)
+            worst = tl.min(run, 1)
+
+    # Children in rank order. V >= K, so every sentinel was replaced by a real key.
+    run = tl.sort(tl.where(slots[None, :] < K, run, _MIN_KEY), dim=1, descending=True)
+    child_ok = row_ok[:, None] & (slots[None, :] < K)
+    child = rows[:, None] * K + slots[None, :]                                # frontier-major index
+    # ATen's log_softmax formula: (x - max) - log(sum(exp(x - max))).
+    logp = (_key_value(run) - m[:, None]) - tl.log(tl.where(row_ok, s, 1.0))[:, None]   # pad rows: s = 0
+    scores = tl.load(frontier_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None] + logp
+    tl.store(tokens_ptr + child, _key_index(run), mask=child_ok)
+    tl.store(parents_ptr + child, (rows[:, None] + 0 * slots[None, :]).to(tl.int64), mask=child_ok)
+    tl.store(scores_ptr + child, scores, mask=child_ok)
+
+    # Next frontier: the K best children, ties -> lower child index (same key trick).
+    ckey = tl.where(child_ok, _desc_key(scores, child), _MIN_KEY)
+    ckey = tl.sort(tl.reshape(ckey, [F_PAD * K_PAD]), dim=0, descending=True)
+    pos = tl.arange(0, F_PAD * K_PAD)
+    tl.store(next_ptr + pos, _key_index(ckey), mask=pos < K)
+    best_score = tl.max(tl.max(tl.where(child_ok, scores, float("-inf")), 1), 0)
+    tl.store(stop_ptr, (best_score < log_tau).to(tl.int8))
+
+
+def _config(F: int, V: int, K: int) -> dict:
+    """Heuristic meta-parameters (no autotuning yet). Pads are >= 2 so no tile has a size-1 dim."""
+    f_pad, k_pad = max(2, next_pow2(F)), max(2, next_pow2(K))
+    block_v = min(max(16, next_pow2(V)), max(16, _TILE // f_pad))
+    return {"F_PAD": f_pad, "K_PAD": k_pad, "BLOCK_V": block_v, "num_warps": 8 if f_pad * block_v >= 4096 else 4}
+
+
+def draft_expand(frontier_scores: torch.Tensor, logits: torch.Tensor, top_k: int, log_tau: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of ``graft_tk.reference.draft_expand.draft_expand`` (same shapes, dtypes, ties).
+
+    frontier_scores float [F], logits float [F, V] (any float dtype, read as fp32; last dim
+    contiguous) -> child_tokens int64 [F*K], child_parents int64 [F*K], child_scores float32
+    [F*K], next_frontier int64 [K], stop bool []. One launch, no host sync.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [F, V], got {list(logits.shape)}")
+    F, V = logits.shape
+    if frontier_scores.shape != (F,):
+        raise ValueError(f"frontier_scores must be [F={F}], got {list(frontier_scores.shape)}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= V:
+        raise ValueError(f"top_k must be an int in [1, V={V}], got {top_k!r}")
+    if F < 1 or V >= 2 ** 31:
+        raise ValueError(f"need F >= 1 and V < 2**31, got F={F}, V={V}")
+    if not logits.is_floating_point() or frontier_scores.device != logits.device:
+        raise ValueError(f"logits must be a float tensor on frontier_scores' device, got {logits.dtype} on "
+                         f"{logits.device} (frontier_scores on {frontier_scores.device})")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    dev, K = logits.device, top_k
+    child_tokens = torch.empty(F * K, dtype=torch.int64, device=dev)
+    child_parents = torch.empty(F * K, dtype=torch.int64, device=dev)
+    child_scores = torch.empty(F * K, dtype=torch.float32, device=dev)
+    next_frontier = torch.empty(K, dtype=torch.int64, device=dev)
+    stop = torch.empty((), dtype=torch.int8, device=dev)
+    launch(_draft_expand_kernel, (1,),
+           frontier_scores.contiguous(), logits, child_tokens, child_parents, child_scores, next_frontier, stop,
+           F, V, logits.stride(0), float(log_tau), K=K, **_config(F, V, K))
+    return child_tokens, child_parents, child_scores, next_frontier, stop.view(torch.bool)

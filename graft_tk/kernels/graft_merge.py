@@ -1,0 +1,228 @@
+"""build_tree in one Triton launch: prune + rerank the drafter's pool, build the drafted tree,
+graft the retrieval candidates, write fixed-shape tree tensors and the bit-packed ancestor mask.
+Same signature and outputs as ``graft_tk.reference.graft_merge.build_tree``.
+
+One program (grid (1,)): the work is a few hundred dependent steps over <= ~128 nodes, far too
+little to spread over programs, and a single program can synchronise with ``tl.debug_barrier``.
+Phases:
+  1. select  rank every valid pool entry by the key (score desc, index asc) against all others,
+             blocked [P_PAD, BLOCK_J] compares; keep rank < N-1 and score >= log_tau.
+  2. close   keep an entry only if all its ancestors are kept: pointer doubling over the pool,
+             ceil(log2 P) rounds through a scratch buffer (AND over ancestors at distance < 2^s).
+  3. place   node index = inclusive cumsum of kept (root is node 0); parents remapped through
+             scratch; the drafted nodes are scattered into the outputs and read back per node.
+  4. graft   one loop iteration per candidate, all state in registers ([N_PAD] node vectors,
+             [C_PAD] candidate -> node map): dedup by (parent, token) match, add while n < N.
+  5. mask    own bit, then ceil(log2 N) pointer-doubling rounds: row |= row[jump], jump = jump[jump],
+             with the output mask itself as the scratch the rows are gathered from.
+
+Why the barriers: a tensor is spread over the program's threads, so a value one thread stores to
+global memory (scratch, or an output read back) is loaded by ANOTHER thread of the same program.
+On a GPU nothing orders those accesses without ``tl.debug_barrier()`` (bar.sync: all threads
+arrive, and their prior global writes are visible to the CTA). Every round trip therefore has a
+barrier between the stores and the loads (read-after-write) AND between the loads and the next
+round's stores to the same buffer (write-after-read: a fast thread must not overwrite a value a
+slow thread has not read yet). The interpreter runs a program's ops in order, so it cannot catch a
+missing barrier; the comments at each barrier say which hazard it closes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference.graft_merge import BuiltTree
+from ..tree import DRAFT, ROOT
+from ._common import launch, next_pow2
+from .draft_expand import _MIN_KEY, _desc_key
+
+_DRAFT = tl.constexpr(DRAFT)
+_ROOT = tl.constexpr(ROOT)
+_RANK_TILE = 2048   # pool-rank compares per step: P_PAD * BLOCK_J
+
+
+# n_pool_arg is a plain int32 even when it equals 1 (Triton turns int args equal to 1 into
+# constexprs, which tl.maximum/tl.minimum below would then see as Python ints).
+@triton.jit(do_not_specialize=["n_pool_arg"])
+def _build_tree_kernel(
+    # pointers: inputs
+    pool_tokens_ptr, pool_parents_ptr, pool_scores_ptr, pool_depth_ptr, n_pool_ptr, root_ptr,
+    cand_tokens_ptr, cand_parents_ptr, cand_source_ptr,
+    # pointers: outputs, then int32 scratch [2, S_PAD]
+    tokens_ptr, parents_ptr, depth_ptr, source_ptr, scores_ptr, pool_index_ptr, mask_ptr, n_nodes_ptr,
+    scratch_ptr,
+    # sizes and scalars
+    P, C, N, W, n_pool_arg, log_tau,
+    # meta-parameters
+    P_PAD: tl.constexpr, C_PAD: tl.constexpr, N_PAD: tl.constexpr, W_PAD: tl.constexpr,
+    S_PAD: tl.constexpr, BLOCK_J: tl.constexpr, LOG_P: tl.constexpr, LOG_N: tl.constexpr,
+    N_POOL_FROM_PTR: tl.constexpr,
+):
+    scr_a = scratch_ptr
+    scr_b = scratch_ptr + S_PAD
+    # ---------------------------------------------------------------- 1. select (prune + rerank)
+    if N_POOL_FROM_PTR:
+        n_pool = tl.load(n_pool_ptr).to(tl.int32)
+    else:
+        n_pool = n_pool_arg
+    n_pool = tl.minimum(tl.maximum(n_pool, 0), P)
+    pi = tl.arange(0, P_PAD)
+    in_pool = pi < n_pool
+    score = tl.load(pool_scores_ptr + pi, mask=in_pool, other=float("-inf")).to(tl.float32)
+    eligible = in_pool & (score >= log_tau)
+    key = tl.where(eligible, _desc_key(score, pi), _MIN_KEY)
+    rank = tl.zeros([P_PAD], tl.int32)                  # eligible entries ranked above each entry
+    for j0 in range(0, P_PAD, BLOCK_J):
+        pj = j0 + tl.arange(0, BLOCK_J)
+        in_j = pj < n_pool
+        sj = tl.load(pool_scores_ptr + pj, mask=in_j, other=float("-inf")).to(tl.float32)
+        kj = tl.where(in_j & (sj >= log_tau), _desc_key(sj, pj), _MIN_KEY)
+        rank += tl.sum((kj[None, :] > key[:, None]).to(tl.int32), 1)
+    chosen = eligible & (rank < N - 1)
+
+    # ---------------------------------------------------------------- 2. close under parents
+    pool_par = tl.load(pool_parents_ptr + pi, mask=in_pool, other=-1).to(tl.int32)
+    ok = chosen.to(tl.int32)
+    jump = pool_par
+    for _ in tl.static_range(LOG_P):
+        tl.store(scr_a + pi, ok)
+        tl.store(scr_b + pi, jump)
+        tl.debug_barrier()      # RAW: the loads below read other threads' stores
+        has = jump >= 0
+        ok_up = tl.load(scr_a + jump, mask=has, other=1)
+        jump_up = tl.load(scr_b + jump, mask=has, other=-1)
+        tl.debug_barrier()      # WAR: next round's stores must wait for every thread's loads
+        ok = ok & ok_up
+        jump = tl.where(has, jump_up, -1)
+    kept = ok > 0
+
+    # ---------------------------------------------------------------- 3. place the drafted nodes
+    node = tl.cumsum(kept.to(tl.int32), 0)              # node index of a kept entry (root = 0)
+    n_draft = tl.sum(kept.to(tl.int32), 0)
+    tl.store(scr_a + pi, tl.where(kept, node, -1))
+    tl.debug_barrier()          # RAW: parents are looked up in other threads' node indices
+    tree_par = tl.load(scr_a + pool_par, mask=kept & (pool_par >= 0), other=0)
+    tl.store(tokens_ptr + node, tl.load(pool_tokens_ptr + pi, mask=kept, other=0), mask=kept)
+    tl.store(parents_ptr + node, tree_par, mask=kept)
+    tl.store(depth_ptr + node, tl.load(pool_depth_ptr + pi, mask=kept, other=0).to(tl.int32), mask=kept)
+    tl.store(scores_ptr + node, score, mask=kept)
+    tl.store(pool_index_ptr + node, pi.to(tl.int64), mask=kept)
+    tl.debug_barrier()          # RAW: the per-node reads below gather what the pool threads scattered
+    ni = tl.arange(0, N_PAD)
+    is_draft = (ni >= 1) & (ni <= n_draft)
+    tok_vec = tl.where(ni == 0, tl.load(root_ptr), tl.load(tokens_ptr + ni, mask=is_draft, other=-1))
+    par_vec = tl.where(ni == 0, -1, tl.load(parents_ptr + ni, mask=is_draft, other=-1))
+    dep_vec = tl.load(depth_ptr + ni, mask=is_draft, other=0)
+    src_vec = tl.where(ni == 0, _ROOT, tl.where(is_draft, _DRAFT, -1))
+    sc_vec = tl.where(ni == 0, 0.0, tl.load(scores_ptr + ni, mask=is_draft, other=float("-inf")))
+    pidx_vec = tl.load(pool_index_ptr + ni, mask=is_draft, other=-1)
+    tl.debug_barrier()          # WAR: phase 5 stores to the same outputs
+
+    # ---------------------------------------------------------------- 4. graft the candidates
+    ci = tl.arange(0, C_PAD)
+    mapped = tl.full([C_PAD], -1, tl.int32)            # candidate -> tree node, -1 = dropped
+    n = n_draft + 1
+    for c in range(0, C):
+        tok = tl.load(cand_tokens_ptr + c).to(tl.int64)
+        tpar = tl.load(cand_parents_ptr + c).to(tl.int32)
+        src = tl.load(cand_source_ptr + c).to(tl.int32)
+        parent = tl.where(tpar < 0, 0, tl.max(tl.where(ci == tpar, mapped, -1), 0))
+        live = (tok >= 0) & (parent >= 0)
+        match = (ni >= 1) & (ni < n) & (par_vec == parent) & (tok_vec == tok)
+        found = tl.max(tl.where(match, ni, -1), 0)
+        add = live & (found < 0) & (n < N)
+        new_node = tl.where(add, n, -1)
+        mapped = tl.where(ci == c, tl.where(live & (found >= 0), found, new_node), mapped)
+        slot = add & (ni == n)
+        parent_depth = tl.max(tl.where(ni == parent, dep_vec, -1), 0)
+        tok_vec = tl.where(slot, tok, tok_vec)
+        par_vec = tl.where(slot, parent, par_vec)
+        dep_vec = tl.where(slot, parent_depth + 1, dep_vec)
+        src_vec = tl.where(slot, src, src_vec)
+        sc_vec = tl.where(slot, float("-inf"), sc_vec)
+        pidx_vec = tl.where(slot, -1, pidx_vec)
+        n += add.to(tl.int32)
+
+    # ---------------------------------------------------------------- 5. outputs + ancestor mask
+    pad = ni >= n
+    out = ni < N
+    tl.store(tokens_ptr + ni, tl.where(pad, -1, tok_vec), mask=out)
+    tl.store(parents_ptr + ni, tl.where(pad, -1, par_vec), mask=out)
+    tl.store(depth_ptr + ni, tl.where(pad, 0, dep_vec), mask=out)
+    tl.store(source_ptr + ni, tl.where(pad, -1, src_vec).to(tl.int8), mask=out)
+    tl.store(scores_ptr + ni, tl.where(pad, float("-inf"), sc_vec), mask=out)
+    tl.store(pool_index_ptr + ni, tl.where(pad, -1, pidx_vec), mask=out)
+    tl.store(n_nodes_ptr, n.to(tl.int64))
+
+    wi = tl.arange(0, W_PAD)
+    # Own bit: column i is bit i % 32 of word i // 32 (bit 31 is the int32 sign bit).
+    bits = tl.where(wi[None, :] == (ni // 32)[:, None], (1 << (ni % 32))[:, None], 0)   # [N_PAD, W_PAD]
+    row_ptr = mask_ptr + ni[:, None] * W + wi[None, :]
+    row_ok = out[:, None] & (wi[None, :] < W)
+    jump = tl.where(pad, -1, par_vec)                   # root and padding have no ancestors
+    for _ in tl.static_range(LOG_N):
+        tl.store(row_ptr, bits, mask=row_ok)
+        tl.store(scr_b + ni, jump)
+        tl.debug_barrier()      # RAW: rows and jumps of ancestors were stored by other threads
+        has = jump >= 0
+        up = tl.load(mask_ptr + jump[:, None] * W + wi[None, :], mask=has[:, None] & (wi[None, :] < W), other=0)
+        jump_up = tl.load(scr_b + jump, mask=has, other=-1)
+        tl.debug_barrier()      # WAR: next round overwrites the rows and jumps just read
+        bits = bits | up
+        jump = tl.where(has, jump_up, -1)
+    tl.store(row_ptr, bits, mask=row_ok)
+
+
+def _config(P: int, C: int, N: int) -> dict:
+    """Heuristic meta-parameters. One program runs a dependent chain of small reductions, so few
+    warps (cheaper reductions and barriers) beat many; pads are >= 2 so no tile has a size-1 dim."""
+    p_pad, n_pad = max(2, next_pow2(P)), max(2, next_pow2(N))
+    return {"P_PAD": p_pad, "C_PAD": max(2, next_pow2(C)), "N_PAD": n_pad,
+            "W_PAD": max(2, next_pow2((N + 31) // 32)), "S_PAD": max(p_pad, n_pad),
+            "BLOCK_J": max(1, min(p_pad, _RANK_TILE // p_pad)),
+            "LOG_P": (p_pad - 1).bit_length(), "LOG_N": (n_pad - 1).bit_length(),
+            "num_warps": 2 if max(p_pad, n_pad) <= 128 else 4}
+
+
+def build_tree(pool_tokens: torch.Tensor, pool_parents: torch.Tensor, pool_scores: torch.Tensor,
+               pool_depth: torch.Tensor, n_pool: int | torch.Tensor, root_token: int | torch.Tensor,
+               log_tau: float, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
+               cand_source: torch.Tensor, budget_n: int) -> BuiltTree:
+    """Triton version of ``graft_tk.reference.graft_merge.build_tree``: same arguments, same
+    ``BuiltTree`` (shapes fixed by P, C, N; padding as documented there). One launch, no host
+    sync; ``n_pool`` may be a device tensor (read by the kernel, clamped to [0, P]). Inputs must
+    be well formed (parents before children); that is not checked on device.
+    """
+    P, C, N = pool_tokens.shape[0], cand_tokens.shape[0], budget_n
+    if not isinstance(N, int) or N < 1:
+        raise ValueError(f"budget_n must be an int >= 1, got {budget_n!r}")
+    if pool_tokens.dim() != 1 or any(t.shape != (P,) for t in (pool_parents, pool_scores, pool_depth)):
+        raise ValueError(f"pool tensors must be 1-D of one length P={P}")
+    if cand_tokens.dim() != 1 or cand_parents.shape != (C,) or cand_source.shape != (C,):
+        raise ValueError(f"cand_tokens, cand_parents, cand_source must be 1-D of one length C={C}")
+    dev = pool_tokens.device
+    tensors = (pool_parents, pool_scores, pool_depth, cand_tokens, cand_parents, cand_source, n_pool, root_token)
+    if any(isinstance(t, torch.Tensor) and t.device != dev for t in tensors):
+        raise ValueError(f"every tensor argument must be on the pool's device ({dev})")
+    from_ptr = isinstance(n_pool, torch.Tensor)
+    if not from_ptr and not 0 <= n_pool <= P:
+        raise ValueError(f"n_pool must be in [0, P={P}], got {n_pool}")
+    root = torch.as_tensor(root_token, dtype=torch.int64, device=dev).reshape(1)
+    cfg = _config(P, C, N)
+    W = (N + 31) // 32
+    out = BuiltTree(tokens=torch.empty(N, dtype=torch.int64, device=dev),
+                    parents=torch.empty(N, dtype=torch.int32, device=dev),
+                    depth=torch.empty(N, dtype=torch.int32, device=dev),
+                    source=torch.empty(N, dtype=torch.int8, device=dev),
+                    scores=torch.empty(N, dtype=torch.float32, device=dev),
+                    pool_index=torch.empty(N, dtype=torch.int64, device=dev),
+                    mask=torch.empty(N, W, dtype=torch.int32, device=dev),
+                    n_nodes=torch.empty((), dtype=torch.int64, device=dev))
+    scratch = torch.empty(2 * cfg["S_PAD"], dtype=torch.int32, device=dev)
+    n_pool_t = n_pool.reshape(1) if from_ptr else root   # any pointer; unread when n_pool is an int
+    launch(_build_tree_kernel, (1,),
+           pool_tokens.contiguous(), pool_parents.contiguous(), pool_scores.contiguous(), pool_depth.contiguous(),
+           n_pool_t, root, cand_tokens.contiguous(), cand_parents.contiguous(), cand_source.contiguous(),
+           *out, scratch, P, C, N, W, 0 if from_ptr else int(n_pool), float(log_tau),
+           N_POOL_FROM_PTR=from_ptr, **cfg)
+    return out

@@ -1,0 +1,274 @@
+"""build_tree: Triton kernel (interpreted on CPU) vs torch reference, and the reference vs today's
+pipeline (drafting.select_nodes + drafting._as_tree + graft_merge per source).
+
+Pools come from the reference draft_expand on random logits over a few depths, exactly as
+draft_tree fills them; candidates are a prompt-lookup-like chain followed by reference retrieve
+on a random adjacency. A small vocabulary (V = 12..24) makes drafted and retrieved tokens collide,
+so the dedup paths run on every seed.
+"""
+import math
+
+import pytest
+import torch
+
+from graft_tk import drafting
+from graft_tk.backend import LAUNCHES
+from graft_tk.kernels.graft_merge import build_tree as build_tree_kernel
+from graft_tk.reference.draft_expand import draft_expand
+from graft_tk.reference.graft_merge import build_tree, graft_merge
+from graft_tk.reference.retrieval import RetrievalTemplate, default_template, retrieve, template_from_level_sizes
+from graft_tk.tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT, Tree
+
+FIELDS = ("tokens", "parents", "depth", "source", "scores", "pool_index", "mask", "n_nodes")
+
+
+def make_pool(seed: int, vocab: int, top_k: int, max_depth: int, log_tau: float, garbage: bool = True):
+    """draft_tree's candidate pool on random logits: (tokens, parents, scores, depths, n). Entries
+    past n are garbage with the best possible score when ``garbage`` (the op must ignore them)."""
+    g = torch.Generator().manual_seed(seed)
+    P = top_k + (max_depth - 1) * top_k * top_k
+    tokens = torch.randint(vocab, (P,), generator=g) if garbage else torch.zeros(P, dtype=torch.long)
+    parents = torch.full((P,), -1, dtype=torch.long)
+    scores = torch.zeros(P) if garbage else torch.full((P,), -math.inf)
+    depths = torch.zeros(P, dtype=torch.long)
+    frontier, frontier_scores, n = None, torch.zeros(1), 0
+    for depth in range(1, max_depth + 1):
+        logits = torch.randn(frontier_scores.shape[0], vocab, generator=g) * 2.5
+        tok, par, sc, nxt, stop = draft_expand(frontier_scores, logits, top_k, log_tau)
+        m = tok.shape[0]
+        tokens[n:n + m], scores[n:n + m], depths[n:n + m] = tok, sc, depth
+        parents[n:n + m] = -1 if frontier is None else frontier[par]
+        frontier, frontier_scores = n + nxt, sc[nxt]
+        n += m
+        if bool(stop):
+            break
+    return tokens, parents, scores, depths, n
+
+
+def make_candidates(seed: int, vocab: int, root: int, chain: list[int], template: RetrievalTemplate,
+                    k: int = 8, missing: float = 0.2):
+    """A prompt-lookup chain (given tokens, -1 = missing) then the template walked over a random
+    adjacency with ``missing`` of its entries empty: (tokens, parents int32, source int8)."""
+    g = torch.Generator().manual_seed(seed)
+    adj = torch.randint(vocab, (vocab, k), generator=g, dtype=torch.int32)
+    adj[torch.rand(vocab, k, generator=g) < missing] = -1
+    retrieved = retrieve(adj, torch.tensor(root), template)
+    L = len(chain)
+    tokens = torch.cat([torch.tensor(chain, dtype=torch.int64), retrieved])
+    tpar = template.parents.long()
+    parents = torch.cat([torch.arange(-1, L - 1), torch.where(tpar < 0, -1, tpar + L)]).to(torch.int32)
+    source = torch.tensor([PROMPT_LOOKUP] * L + [RETRIEVAL] * template.n, dtype=torch.int8)
+    return tokens, parents, source
+
+
+def old_pipeline(pool, root, log_tau, chain, template, cand_tokens, N) -> Tree:
+    """Today's engine path: select + _as_tree, then graft_merge of the chain, then of the template."""
+    tokens, parents, scores, depths, n = pool
+    keep = drafting.select_nodes(parents[:n], scores[:n], N - 1, log_tau)
+    tree = drafting._as_tree(tokens, parents, scores, depths, keep, root, "cpu")
+    L = len(chain)
+    if L:
+        chain_t = RetrievalTemplate(torch.arange(-1, L - 1), torch.zeros(L, dtype=torch.int32), 1)
+        tree = graft_merge(tree, cand_tokens[:L], chain_t, N, PROMPT_LOOKUP)
+    return graft_merge(tree, cand_tokens[L:], template, N)
+
+
+def run_both(*args):
+    """Kernel and reference on the same arguments; every output equal, one launch, a valid Tree."""
+    before = LAUNCHES.count
+    got = build_tree_kernel(*args)
+    assert LAUNCHES.count - before == 1
+    want = build_tree(*args)
+    for name in FIELDS:
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.dtype == w.dtype and g.shape == w.shape, (name, g.dtype, w.dtype, g.shape, w.shape)
+        assert torch.equal(g, w), f"{name}: kernel {g.tolist()} != reference {w.tolist()}"
+    check_tree(got)
+    return got
+
+
+def check_tree(out):
+    """The valid prefix is a valid Tree whose masks are the op's mask; padding is inert."""
+    tree = out.to_tree()
+    tree.validate()
+    n, N = tree.n, out.tokens.shape[0]
+    assert torch.equal(out.mask[:n, :(n + 31) // 32], tree.packed_mask())
+    assert torch.equal(unpack(out.mask)[:n, :n], tree.attn_mask())
+    assert not unpack(out.mask)[:n, n:].any()                       # no real row sees padding
+    assert torch.equal(unpack(out.mask)[n:], torch.eye(N, dtype=torch.bool)[n:])   # padding: own bit
+    assert (out.tokens[n:] == -1).all() and (out.source[n:] == -1).all() and (out.pool_index[n:] == -1).all()
+    drafted = tree.source == DRAFT
+    assert ((out.pool_index[:n] >= 0) == drafted).all()
+
+
+def unpack(mask):
+    """int32 [N, W] -> bool [N, N]."""
+    N = mask.shape[0]
+    bits = (mask.long()[:, :, None] >> torch.arange(32)) & 1
+    return bits.reshape(N, -1)[:, :N].bool()
+
+
+def realistic_args(seed, N, log_tau, vocab=16, top_k=4, max_depth=4, chain_len=5, sizes=(8, 21, 25, 15, 8, 3)):
+    pool = make_pool(seed, vocab, top_k, max_depth, log_tau)
+    tokens, parents, scores, depths, n = pool
+    root = int(torch.randint(vocab, (1,), generator=torch.Generator().manual_seed(seed + 1000)))
+    # The chain repeats the best drafted child, then new tokens (reuse, then a graft beneath it).
+    chain = ([int(tokens[0])] + [(seed * 7 + i) % vocab for i in range(chain_len - 1)])[:chain_len]
+    template = template_from_level_sizes(sizes, 8)
+    cands = make_candidates(seed, vocab, root, chain, template)
+    args = (tokens, parents, scores, depths, n, torch.tensor(root), log_tau, *cands, N)
+    return args, (pool, root, log_tau, chain, template, cands[0], N)
+
+
+# ------------------------------------------------------------------ kernel vs reference, realistic
+@pytest.mark.parametrize("N,log_tau", [
+    (16, math.log(0.05)),      # the default budget: 8-14 drafted, the chain and the template fill it
+    (24, math.log(0.1)),       # N not a power of two; 6-8 drafted, ~half the tree retrieved
+    (40, math.log(0.1)),       # two mask words; one seed runs out of candidates (33 nodes)
+    (64, math.log(0.2)),       # heavy pruning: mostly retrieval, budget never filled
+])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_realistic_matches_reference(seed, N, log_tau):
+    run_both(*realistic_args(seed, N, log_tau)[0])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("N", [8, 16, 40])
+def test_reference_equals_old_pipeline(seed, N):
+    # The fused op's semantics are today's pipeline, exactly.
+    args, old = realistic_args(seed, N, math.log(0.05))
+    tree = build_tree(*args).to_tree()
+    ref = old_pipeline(*old)
+    for name in ("tokens", "parents", "depth", "source", "scores"):
+        assert torch.equal(getattr(tree, name), getattr(ref, name)), name
+
+
+def test_n_pool_as_device_tensor():
+    args, _ = realistic_args(5, 16, math.log(0.05))
+    args = list(args)
+    args[4] = torch.tensor(args[4])
+    run_both(*args)
+
+
+@pytest.mark.parametrize("n_pool", [1, 10])
+def test_entries_past_n_pool_are_ignored(n_pool):
+    # A prefix of the creation order is itself a pool (parents first). Entries past it get the
+    # best possible score (0.0) and must not be selected; log_tau = -inf keeps the prefix eligible.
+    args, _ = realistic_args(9, 16, -math.inf)
+    args = list(args)
+    args[2] = args[2].clone()
+    args[2][n_pool:] = 0.0
+    args[4] = n_pool
+    out = run_both(*args)
+    assert int((out.pool_index >= 0).sum()) == n_pool and (out.pool_index < n_pool).all()
+
+
+# ------------------------------------------------------------------ edges
+def test_budget_one_is_root_only():
+    out = run_both(*realistic_args(0, 1, -math.inf)[0])
+    assert int(out.n_nodes) == 1 and out.source.tolist() == [ROOT]
+
+
+def test_empty_pool_retrieval_only():
+    args, _ = realistic_args(1, 16, math.log(0.05))
+    out = run_both(*args[:4], 0, *args[5:])
+    assert (out.source[1:int(out.n_nodes)] != DRAFT).all()
+
+
+def test_zero_sized_pool_and_no_candidates():
+    empty = torch.zeros(0, dtype=torch.long)
+    out = run_both(empty, empty, torch.zeros(0), empty, 0, torch.tensor(9), 0.0,
+                   empty, torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int8), 5)
+    assert int(out.n_nodes) == 1 and out.tokens.tolist() == [9, -1, -1, -1, -1]
+
+
+def test_no_candidates_is_the_pruned_draft():
+    args, _ = realistic_args(2, 16, math.log(0.05))
+    empty = torch.zeros(0, dtype=torch.long)
+    out = run_both(*args[:7], empty, torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int8), 16)
+    assert (out.source[1:int(out.n_nodes)] == DRAFT).all()
+
+
+def test_all_candidates_missing():
+    args, _ = realistic_args(3, 16, math.log(0.05))
+    out = run_both(*args[:7], torch.full_like(args[7], -1), *args[8:])
+    assert (out.source[1:int(out.n_nodes)] == DRAFT).all()
+
+
+def test_candidates_duplicating_drafted_nodes():
+    # The chain walks the drafted tree's best path: every chain node is reused (no budget spent),
+    # so nothing new has source PROMPT_LOOKUP; then a template whose nodes repeat the chain.
+    pool = make_pool(4, 16, 4, 4, -math.inf)
+    tokens, parents, scores, depths, n = pool
+    path, node = [], 0                        # pool ids along the first-child path
+    while node < n:
+        path.append(node)
+        kids = [i for i in range(n) if int(parents[i]) == node]
+        node = kids[0] if kids else n
+    chain = [int(tokens[i]) for i in path]
+    L = len(chain)
+    cand = torch.tensor(chain + chain, dtype=torch.int64)
+    cpar = torch.cat([torch.arange(-1, L - 1), torch.arange(L - 1, 2 * L - 1)]).to(torch.int32)
+    cpar[L] = -1
+    csrc = torch.tensor([PROMPT_LOOKUP] * L + [RETRIEVAL] * L, dtype=torch.int8)
+    out = run_both(tokens, parents, scores, depths, n, torch.tensor(3), -math.inf, cand, cpar, csrc, 16)
+    assert int(out.n_nodes) == 16 and (out.source[1:] == DRAFT).all()
+
+
+def test_budget_exhausted_mid_template():
+    # Few drafted nodes, a dense template: the budget fills at some template node; later nodes are
+    # dropped unless they dedup onto existing nodes.
+    args, _ = realistic_args(6, 20, math.log(0.3), vocab=24)
+    out = run_both(*args)
+    assert int(out.n_nodes) == 20
+
+
+@pytest.mark.parametrize("log_tau", [-math.inf, 0.5])
+def test_log_tau_extremes(log_tau):
+    # -inf keeps every pool entry eligible; 0.5 is above every score (<= 0): nothing drafted.
+    args, _ = realistic_args(7, 33, log_tau)
+    out = run_both(*args)
+    n_draft = int((out.source == DRAFT).sum())
+    assert n_draft == (0 if log_tau > 0 else 32)
+
+
+def test_score_ties_and_closure():
+    # Pool (creation order):   0: a  -0.5  root child      3: d  -0.5  child of 0 (ties its parent)
+    #                          1: b  -2.0  root child      4: e  -0.1  child of 1 (outscores its parent)
+    #                          2: c  -0.5  root child      5: f  -0.0  root child (ties +0.0 below)
+    #                          6: g  +0.0  root child
+    # N - 1 = 5 best by (score desc, index asc): 5, 6, 4, 0, 2. Entry 4's parent (1) is not chosen,
+    # so the closure drops it: kept 0, 2, 5, 6 (pool order), then candidates fill the budget.
+    tokens = torch.tensor([10, 11, 12, 13, 14, 15, 16])
+    parents = torch.tensor([-1, -1, -1, 0, 1, -1, -1])
+    scores = torch.tensor([-0.5, -2.0, -0.5, -0.5, -0.1, -0.0, 0.0])
+    depths = torch.tensor([1, 1, 1, 2, 2, 1, 1])
+    cand = torch.tensor([12, 13, 17], dtype=torch.int64)          # 12 reuses node 2; 13 under it; 17 dropped
+    cpar = torch.tensor([-1, 0, 0], dtype=torch.int32)
+    csrc = torch.full((3,), RETRIEVAL, dtype=torch.int8)
+    out = run_both(tokens, parents, scores, depths, 7, torch.tensor(1), -math.inf, cand, cpar, csrc, 6)
+    assert out.tokens.tolist() == [1, 10, 12, 15, 16, 13]
+    assert out.parents.tolist() == [-1, 0, 0, 0, 0, 2]
+    assert out.pool_index.tolist() == [-1, 0, 2, 5, 6, -1]
+    assert out.source.tolist() == [ROOT, DRAFT, DRAFT, DRAFT, DRAFT, RETRIEVAL]
+    assert out.depth.tolist() == [0, 1, 1, 1, 1, 2]
+
+
+def test_default_template_two_mask_words_full():
+    # 80-node template + chain, N = 48 > 32, no drafter (retrieval only): a dense M fills it.
+    template = default_template(8)
+    cands = make_candidates(8, 50, 7, [1, 2, 3], template, missing=0.0)
+    empty = torch.zeros(0, dtype=torch.long)
+    out = run_both(empty, empty, torch.zeros(0), empty, 0, torch.tensor(7), 0.0, *cands, 48)
+    assert int(out.n_nodes) == 48 and out.mask.shape == (48, 2)
+
+
+def test_bad_arguments():
+    args, _ = realistic_args(0, 16, 0.0)
+    for fn in (build_tree, build_tree_kernel):
+        with pytest.raises(ValueError, match="budget_n"):
+            fn(*args[:10], 0)
+        with pytest.raises(ValueError, match="n_pool"):
+            fn(*args[:4], args[0].shape[0] + 1, *args[5:])
+        with pytest.raises(ValueError, match="pool tensors"):
+            fn(args[0], args[1][:-1], *args[2:])
