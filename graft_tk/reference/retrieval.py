@@ -101,6 +101,11 @@ class RetrievalTemplate:
         Computed: 1 for children of the root.
     levels : tuple[tuple[int, int], ...]
         Computed: host [start, end) of each depth, so ``retrieve`` loops over a static count.
+    rank_paths : Tensor, int32 [T, max(len(levels), 1)]
+        Computed: row i = the ranks on the path root -> node i (column d = the rank taken at
+        depth d + 1), padded with -1 after ``depth[i]`` entries. It lets a kernel walk every node
+        from the root independently, all levels in one launch (``graft_tk.kernels.retrieval``).
+        Example: parents [-1, -1, 0], ranks [0, 1, 1] -> rank_paths [[0, -1], [1, -1], [0, 1]].
     """
 
     parents: Tensor
@@ -108,6 +113,7 @@ class RetrievalTemplate:
     k: int
     depth: Tensor = field(init=False)
     levels: tuple[tuple[int, int], ...] = field(init=False)
+    rank_paths: Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         parents = torch.as_tensor(self.parents).to(torch.int32)
@@ -132,12 +138,19 @@ class RetrievalTemplate:
             if i > 0 and (depth[i] < depth[i - 1] or p < par[i - 1]):
                 raise ValueError(f"template node {i} (depth {depth[i]}, parent {p}) breaks BFS order after "
                                  f"node {i - 1} (depth {depth[i - 1]}, parent {par[i - 1]})")
+        paths: list[list[int]] = []
+        for p, r in zip(par, rk):
+            paths.append((paths[p] if p >= 0 else []) + [r])
+        width = max(len(set(depth)), 1)
         bounds = [i for i in range(1, len(depth)) if depth[i] != depth[i - 1]]
         starts, ends = [0] + bounds, bounds + [len(depth)]
         object.__setattr__(self, "parents", parents)
         object.__setattr__(self, "ranks", ranks)
         object.__setattr__(self, "depth", torch.tensor(depth, dtype=torch.int32, device=parents.device))
         object.__setattr__(self, "levels", tuple(zip(starts, ends)) if depth else ())
+        object.__setattr__(self, "rank_paths", torch.tensor([q + [-1] * (width - len(q)) for q in paths],
+                                                            dtype=torch.int32, device=parents.device
+                                                            ).reshape(len(paths), width))
 
     @property
     def n(self) -> int:

@@ -1,0 +1,105 @@
+"""Retrieval kernel vs the torch reference: every template level in one launch, exact tokens."""
+import pytest
+import torch
+
+from tests.kernel_utils import random_tree  # noqa: F401  (imports graft_tk.kernels first: interpreter on CPU)
+from graft_tk.backend import LAUNCHES
+from graft_tk.kernels.retrieval import retrieve as retrieve_kernel
+from graft_tk.reference.retrieval import RetrievalTemplate, retrieve, template_from_level_sizes
+
+
+def random_adjacency(vocab: int, k: int, seed: int, empty_rows: float = 0.3, empty_cols: float = 0.2) -> torch.Tensor:
+    """int32 [vocab, k] with whole rows never written (-1) and scattered empty entries (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    adj = torch.randint(0, vocab, (vocab, k), generator=g, dtype=torch.int32)
+    adj[torch.rand(vocab, generator=g) < empty_rows] = -1
+    adj[torch.rand(vocab, k, generator=g) < empty_cols] = -1
+    return adj
+
+
+TEMPLATES = {
+    # the 80-node default (6 levels, one program of BLOCK_T = 128)
+    "default-80": ((8, 21, 25, 15, 8, 3), 8),
+    # a single node: T = 1, one gather
+    "one-node": ((1,), 4),
+    # k = 1: a chain, every node at its own depth (depth 7 = 7 dependent gathers)
+    "chain-k1": ((1, 1, 1, 1, 1, 1, 1), 1),
+    # 200 nodes: BLOCK_T caps at 128, so two programs
+    "wide-200": ((16, 64, 120), 16),
+}
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+@pytest.mark.parametrize("vocab", [37, 1000])   # neither is a multiple of any block size
+def test_matches_reference(name, vocab):
+    sizes, k = TEMPLATES[name]
+    template = template_from_level_sizes(sizes, k)
+    for seed in range(4):
+        adj = random_adjacency(vocab, k, seed)
+        g = torch.Generator().manual_seed(100 + seed)
+        for root in [int(torch.randint(vocab, (1,), generator=g)) for _ in range(3)]:
+            root_t = torch.tensor(root)
+            before = LAUNCHES.count
+            out = retrieve_kernel(adj, root_t, template)
+            assert LAUNCHES.count - before == 1                      # all levels, one launch
+            assert out.dtype == torch.int64 and out.shape == (template.n,)
+            assert torch.equal(out, retrieve(adj, root_t, template)), (name, vocab, seed, root)
+
+
+def test_root_with_empty_row_gives_all_minus_one():
+    template = template_from_level_sizes((8, 21, 25, 15, 8, 3), 8)
+    adj = random_adjacency(100, 8, 0)
+    adj[42] = -1
+    out = retrieve_kernel(adj, torch.tensor([42]), template)         # [1]-shaped root like the reference
+    assert torch.equal(out, torch.full((80,), -1)) and torch.equal(out, retrieve(adj, torch.tensor([42]), template))
+
+
+def test_missing_node_hides_its_subtree():
+    # The reference's worked example: node 3 hits an empty column, node 4 an empty row.
+    adj = torch.full((16, 2), -1, dtype=torch.int32)
+    adj[5] = torch.tensor([7, 9], dtype=torch.int32)
+    adj[7] = torch.tensor([3, -1], dtype=torch.int32)
+    template = RetrievalTemplate(torch.tensor([-1, -1, 0, 0, 1]), torch.tensor([0, 1, 0, 1, 0]), k=2)
+    assert torch.equal(retrieve_kernel(adj, torch.tensor(5), template), torch.tensor([7, 9, 3, -1, -1]))
+    # A deeper template under the missing node: its whole subtree stays -1 even where M has rows.
+    adj[3] = torch.tensor([1, 2], dtype=torch.int32)
+    adj[0] = torch.tensor([4, 4], dtype=torch.int32)   # row 0: must not be read through a clamped -1
+    deep = RetrievalTemplate(torch.tensor([-1, -1, 0, 0, 1, 2, 3, 4]), torch.tensor([0, 1, 0, 1, 0, 0, 0, 0]), k=2)
+    expected = torch.tensor([7, 9, 3, -1, -1, 1, -1, -1])
+    assert torch.equal(retrieve(adj, torch.tensor(5), deep), expected)
+    assert torch.equal(retrieve_kernel(adj, torch.tensor(5), deep), expected)
+
+
+def test_wider_adjacency_than_template():
+    # adj has k = 8 columns, the template reads only 3 (strides, not k, address M).
+    template = template_from_level_sizes((3, 6, 4), 3)
+    adj = random_adjacency(50, 8, 3)
+    root = torch.tensor(7)
+    assert torch.equal(retrieve_kernel(adj, root, template), retrieve(adj, root, template))
+    # a non-contiguous view of M (every other column) works the same
+    wide = random_adjacency(50, 6, 4)[:, ::2]
+    assert torch.equal(retrieve_kernel(wide, root, template), retrieve(wide, root, template))
+
+
+def test_empty_template_needs_no_launch():
+    empty = RetrievalTemplate(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), k=2)
+    before = LAUNCHES.count
+    out = retrieve_kernel(random_adjacency(10, 2, 0), torch.tensor(1), empty)
+    assert out.shape == (0,) and LAUNCHES.count == before
+
+
+def test_bad_input_is_a_clear_error():
+    template = template_from_level_sizes((2, 2), 2)
+    with pytest.raises(ValueError, match="adj has only"):
+        retrieve_kernel(random_adjacency(10, 1, 0), torch.tensor(1), template)
+    with pytest.raises(ValueError, match="int32"):
+        retrieve_kernel(random_adjacency(10, 2, 0).long(), torch.tensor(1), template)
+    with pytest.raises(ValueError, match="one token"):
+        retrieve_kernel(random_adjacency(10, 2, 0), torch.tensor([1, 2]), template)
+
+
+def test_rank_paths_are_cached_on_the_template():
+    t = RetrievalTemplate(torch.tensor([-1, -1, 0, 2]), torch.tensor([0, 1, 1, 0]), k=2)
+    assert torch.equal(t.rank_paths, torch.tensor([[0, -1, -1], [1, -1, -1], [0, 1, -1], [0, 1, 0]],
+                                                  dtype=torch.int32))
+    assert torch.equal(t.to("cpu").rank_paths, t.rank_paths)
