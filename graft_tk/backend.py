@@ -8,6 +8,9 @@ tests, never for speed.
 """
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+
 import torch
 
 from .errors import InputError
@@ -25,13 +28,35 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
 
 class LaunchCounter:
-    """Counts Triton kernel launches (every launch goes through ``graft_tk.kernels._common.launch``)."""
+    """Counts Triton kernel launches by kernel name (every launch goes through
+    ``graft_tk.kernels._common.launch``)."""
 
     def __init__(self) -> None:
-        self.count = 0
+        self.by_kernel: Counter[str] = Counter()
 
-    def add(self, n: int = 1) -> None:
-        self.count += n
+    def add(self, kernel_name: str) -> None:
+        self.by_kernel[kernel_name] += 1
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_kernel.values())
+
+    def snapshot(self) -> Counter:
+        return Counter(self.by_kernel)
 
 
 LAUNCHES = LaunchCounter()
+
+
+@contextlib.contextmanager
+def attention_backend(nets, backend: str):
+    """Run the given Transformers' attention on ``backend`` inside the block, then restore them."""
+    nets = [n for n in nets if n is not None]
+    before = [n.attention_backend for n in nets]
+    for n in nets:
+        n.attention_backend = backend
+    try:
+        yield
+    finally:
+        for n, b in zip(nets, before):
+            n.attention_backend = b

@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .backend import attention_backend, resolve_backend
 from .config import METHODS, USES_DRAFTER, GraftConfig
 from .engine import Engine
 from .errors import InputError
@@ -44,7 +45,8 @@ def encode_prompt(model: Model, prompt: str | Sequence[int] | torch.Tensor, chat
 def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter: Model | None = None,
            method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
            seed: int | None = None, chat: bool = True, config: GraftConfig | None = None,
-           engine: Engine | None = None, on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
+           engine: Engine | None = None, on_tokens: Callable[[list[int]], None] | None = None,
+           backend: str = "auto") -> DecodeResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` with ``target``.
 
     method: "ar" (plain decoding), or a speculative method at budget ``config.budget``:
@@ -60,13 +62,19 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
     seed: makes sampling reproducible.
     chat: apply the model's chat template to a string prompt.
     on_tokens: called with each batch of newly committed token ids (streaming).
+    backend: "auto" (Triton kernels on CUDA, torch elsewhere), "triton" or "torch"; without CUDA
+        "triton" runs the kernels in Triton's interpreter (exact, slow: for tests).
     """
     if method not in METHODS:
         raise InputError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
     if engine is not None:
         if engine.target is not target:
             raise InputError(f"engine was built for {engine.target.name}, not {target.name}; pass the same target")
+        if backend != "auto" and resolve_backend(backend, target.device) != engine.ops.backend:
+            raise InputError(f"engine runs the {engine.ops.backend} backend, not {backend!r}; build "
+                             f"Engine(..., backend={backend!r}) or leave backend='auto'")
         drafter, config = engine.drafter, engine.config
+    backend = resolve_backend(backend, target.device)
     config, config_source = _resolve_config(target, drafter, method, config, engine)
     if method in USES_DRAFTER and drafter is None:
         raise InputError(f"method {method!r} needs a drafter: pass drafter=load_model(...) (a small model with the "
@@ -88,9 +96,10 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
         generator.manual_seed(seed if seed is not None else torch.seed())
     with torch.inference_mode():
         if method == "ar" or max_new_tokens == 0:
-            tokens, stats = _decode_ar(target, ids, max_new_tokens, temperature, top_p, generator, on_tokens)
+            with attention_backend([target.net], backend):
+                tokens, stats = _decode_ar(target, ids, max_new_tokens, temperature, top_p, generator, on_tokens)
         else:
-            engine = engine or Engine(target, drafter, config)
+            engine = engine or Engine(target, drafter, config, backend)
             tokens, stats = engine.generate(ids, method, max_new_tokens, temperature, top_p, generator, on_tokens)
     if method != "ar":
         stats["config"] = dataclasses.asdict(config)

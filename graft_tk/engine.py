@@ -5,45 +5,70 @@ token-successor adjacency matrix M, so a second request starts with M already wa
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 
 import torch
 
+from .backend import LAUNCHES, attention_backend
 from .config import USES_DRAFTER, USES_RETRIEVAL, GraftConfig
-from .drafting import Draft, draft_tree
+from .drafting import DraftPool, draft_pool
 from .models import Model
-from .reference.accept import greedy_accept, sample_accept
-from .reference.graft_merge import graft_merge
+from .ops import ops_for
 from .reference.prompt_lookup import prompt_lookup
-from .reference.retrieval import (RetrievalTemplate, new_adjacency, retrieve, template_from_level_sizes,
-                                  update_adjacency, warm_adjacency)
+from .reference.retrieval import new_adjacency, template_from_level_sizes, warm_adjacency
 from .sampling import next_token
-from .tree import PROMPT_LOOKUP, SOURCE_NAMES, Tree
+from .tree import PROMPT_LOOKUP, RETRIEVAL, SOURCE_NAMES, Tree
+
+ATTENTION_KERNEL = "_tree_attention_kernel"   # launched inside model forwards: not a step op
 
 
 class Engine:
-    def __init__(self, target: Model, drafter: Model | None = None, config: GraftConfig | None = None):
+    def __init__(self, target: Model, drafter: Model | None = None, config: GraftConfig | None = None,
+                 backend: str = "auto"):
         self.target, self.drafter = target, drafter
         self.config = config or GraftConfig()
+        self.ops = ops_for(backend, target.device)
         self.template = template_from_level_sizes(self.config.template, self.config.retrieval_k).to(target.device)
         # M[V, k]: row t = the k tokens the target last ranked most likely after t (-1 = unknown).
         self.adjacency = new_adjacency(target.config.vocab_size, self.config.retrieval_k, target.device)
-        # A prompt-lookup chain is a template whose node i takes rank 0 under node i - 1.
-        L = self.config.pld_tokens
-        self.chain = RetrievalTemplate(torch.arange(-1, L - 1), torch.zeros(L, dtype=torch.int32), 1).to(target.device)
         # Set to a list to record, per verified node, (source, depth, drafter score, accepted?):
         # graft-calibrate fits its score -> acceptance map from it. Off by default (host syncs).
         self.acceptance_log: list[tuple[int, int, float, bool]] | None = None
 
+    def _candidate_layout(self, use_pld: bool, use_retrieval: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(parents, source) of the grafted candidates: the prompt-lookup chain (node i under i - 1),
+        then the retrieval template (parents shifted past the chain)."""
+        device, L = self.target.device, self.config.pld_tokens
+        parents, source = [], []
+        if use_pld:
+            parents.append(torch.arange(-1, L - 1, device=device))
+            source.append(torch.full((L,), PROMPT_LOOKUP, device=device))
+        if use_retrieval:
+            shift = L if use_pld else 0
+            tp = self.template.parents.long()
+            parents.append(torch.where(tp < 0, -1, tp + shift))
+            source.append(torch.full((self.template.n,), RETRIEVAL, device=device))
+        if not parents:
+            return torch.zeros(0, dtype=torch.int32, device=device), torch.zeros(0, dtype=torch.int8, device=device)
+        return torch.cat(parents).to(torch.int32), torch.cat(source).to(torch.int8)
+
     def generate(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
                  generator, on_tokens) -> tuple[list[int], dict]:
         """Speculative decoding of ``ids``: returns (new tokens, stats)."""
-        cfg, target, tnet = self.config, self.target, self.target.net
+        drafter_net = self.drafter.net if self.drafter is not None else None
+        with attention_backend([self.target.net, drafter_net], self.ops.backend):
+            return self._generate(ids, method, max_new_tokens, temperature, top_p, generator, on_tokens)
+
+    def _generate(self, ids, method, max_new_tokens, temperature, top_p, generator, on_tokens):
+        cfg, ops, target, tnet = self.config, self.ops, self.target, self.target.net
         device, eos = target.device, set(target.eos_token_ids)
         use_drafter, use_retrieval = method in USES_DRAFTER, method in USES_RETRIEVAL
         use_pld = cfg.uses_prompt_lookup(method)
-        stats = _Stats(method)
+        log_tau = math.log(cfg.tau) if method in ("pruned", "graft") else -math.inf
+        cand_parents, cand_source = self._candidate_layout(use_pld, use_retrieval)
+        stats = _Stats(method, ops.backend)
         t0 = time.perf_counter()
         n = len(ids)
         tnet.setup_cache(n + max_new_tokens + cfg.budget + 1)
@@ -65,46 +90,52 @@ class Engine:
         done = first in eos or max_new_tokens <= 1
 
         while not done:
-            root = committed[-1]
-            # 1-2. Draft with calibrated pruning (or just the root when there is no drafter).
+            launches_before = LAUNCHES.snapshot()
+            root = torch.tensor(committed[-1], device=device)
+            # 1-2. Draft with calibrated pruning: the drafter's candidate pool (empty without a drafter).
             t = time.perf_counter()
             if use_drafter:
-                draft = draft_tree(self.drafter, drafter_len, committed[drafter_len:], cfg, prune=method != "tree")
+                pool = draft_pool(self.drafter, drafter_len, committed[drafter_len:], cfg, log_tau, ops)
                 drafter_len = len(committed)
             else:
-                draft = Draft(Tree.root(root, device), torch.full((1,), -1, device=device), 0)
+                pool = DraftPool.empty(device)
             stats.add_time("draft", t)
-            # 3-5. Retrieval grafted into the freed budget: the prompt-lookup chain (when the context
-            # repeats, it is the likelier bet), then root-parallel adjacency retrieval.
+            # 3-6. Candidates for the freed budget: the prompt-lookup chain (when the context repeats,
+            # it is the likelier bet), then root-parallel retrieval from M; one op prunes and reranks
+            # the pool, grafts the candidates and emits the tree.
             t = time.perf_counter()
-            tree = draft.tree
+            candidates = []
             if use_pld:
                 chain = prompt_lookup(committed, cfg.pld_max_ngram, 1, cfg.pld_tokens)
-                chain += [-1] * (cfg.pld_tokens - len(chain))
-                tree = graft_merge(tree, torch.tensor(chain, device=device), self.chain, cfg.budget, PROMPT_LOOKUP)
+                candidates.append(torch.tensor(chain + [-1] * (cfg.pld_tokens - len(chain)), device=device))
             if use_retrieval:
-                candidates = retrieve(self.adjacency, torch.tensor(root, device=device), self.template)
-                tree = graft_merge(tree, candidates, self.template, cfg.budget)
+                candidates.append(ops.retrieve(self.adjacency, root, self.template))
+            cand_tokens = torch.cat(candidates) if candidates else torch.zeros(0, dtype=torch.long, device=device)
+            built = ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, root, log_tau,
+                                   cand_tokens, cand_parents, cand_source, cfg.budget)
+            tree = built.to_tree()                 # sync: the verify forward's size
             stats.add_time("retrieve", t)
-            # 6-7. Verify the whole tree in one target forward with tree attention.
+            # 7. Verify the whole tree in one target forward with tree attention.
             t = time.perf_counter()
-            mask = torch.cat([torch.ones(tree.n, target_len, dtype=torch.bool, device=device), tree.attn_mask()], 1)
-            logits = tnet(tree.tokens[None], tree.positions(target_len), target_len, attn_mask=mask)[0]
+            logits = tnet(tree.tokens[None], tree.positions(target_len), target_len, attn_mask=tree.attn_mask(),
+                          mask_prefix=target_len)[0]
             stats.add_time("verify", t)
-            # 8. Accept the longest path the target agrees with, plus a bonus token.
+            # 8. Accept the longest path the target agrees with, plus a bonus token; update M.
             t = time.perf_counter()
-            if temperature == 0.0:
-                path, bonus = greedy_accept(tree, logits)
-            else:
-                path, bonus = sample_accept(tree, logits, temperature, top_p, generator)
-            path_list = path.tolist()   # the step's one unavoidable sync: how many tokens advance
-            new = tree.tokens[path[1:]].tolist() + [int(bonus)]
+            uniforms = (torch.rand(tree.n, generator=generator, device=device) if temperature > 0 else None)
+            path, n_path, bonus = ops.accept(tree, logits, self.adjacency, temperature, top_p, uniforms)
+            m = int(n_path)                        # sync: how many tokens advance
+            path = path[:m]
+            node_slots = (pool.slots[built.pool_index[:tree.n].clamp(min=0)].masked_fill(built.pool_index[:tree.n] < 0, -1)
+                          if use_drafter else torch.full((tree.n,), -1, device=device))
+            host = torch.cat([path, tree.tokens[path[1:]], bonus.view(1), node_slots[path]]).tolist()  # one copy
+            path_list, new, path_slots = host[:m], host[m:2 * m], host[2 * m:]
             # EOS inside the path and the max_new_tokens limit truncate what is committed.
             for i, tok in enumerate(new):
                 if tok in eos or len(out) + i + 1 >= max_new_tokens:
                     new, done = new[:i + 1], True
                     break
-            stats.record_step(tree, path_list, len(new), draft.forwards)
+            stats.record_step(tree, path_list, len(new), pool.forwards)
             if self.acceptance_log is not None:
                 on_path = set(path_list)
                 self.acceptance_log += [(s, d, sc, i in on_path) for i, (s, d, sc) in enumerate(zip(
@@ -113,48 +144,33 @@ class Engine:
             out += new
             if on_tokens:
                 on_tokens(new)
-            # 9. Commit: compact the target KV of the accepted path, bring the drafter up to date, update M.
+            # 9. Commit: compact the target KV of the accepted path; keep the drafter KV of its
+            # longest drafted-and-run prefix (the rest stays pending and runs in the next first forward).
             if not done:
-                tnet.commit_kv(target_len + path, target_len)
-                target_len += len(path_list)
+                ops.commit_kv(tnet.kv, target_len + path, target_len)
+                target_len += m
                 if use_drafter:
-                    drafter_len = self._commit_drafter(draft, path_list, drafter_len)
-            order = _path_last(tree.n, path, device)
-            update_adjacency(self.adjacency, tree.tokens, logits, order)
+                    keep = []
+                    for slot in path_slots[1:]:
+                        if slot < 0:
+                            break
+                        keep.append(slot)
+                    if keep:
+                        ops.commit_kv(self.drafter.net.kv, torch.tensor(keep, device=device), drafter_len)
+                    drafter_len += len(keep)
             stats.add_time("commit", t)
+            stats.record_launches(LAUNCHES.snapshot() - launches_before, pool.forwards)
 
         return out, stats.finish(n, len(out), time.perf_counter() - t0)
-
-    def _commit_drafter(self, draft: Draft, path: list[int], drafter_len: int) -> int:
-        """Keep the drafter KV of the accepted path's longest drafted-and-run prefix; return the new length.
-
-        Accepted nodes the drafter never ran (retrieved ones, leaves) stay pending and are run in
-        the next step's first drafter forward together with the new root.
-        """
-        slots = draft.slots.tolist()
-        keep = []
-        for node in path[1:]:
-            if node >= len(slots) or slots[node] < 0:
-                break
-            keep.append(slots[node])
-        if keep:
-            self.drafter.net.commit_kv(torch.tensor(keep, device=self.drafter.device), drafter_len)
-        return drafter_len + len(keep)
-
-
-def _path_last(n: int, path: torch.Tensor, device) -> torch.Tensor:
-    """Node write order for M: every node, the accepted path last (its rows are the freshest)."""
-    on_path = torch.zeros(n, dtype=torch.bool, device=device)
-    on_path[path] = True
-    idx = torch.arange(n, device=device)
-    return torch.cat([idx[~on_path], path])
 
 
 class _Stats:
     """Per-step counters folded into DecodeResult.stats."""
 
-    def __init__(self, method: str):
-        self.method = method
+    def __init__(self, method: str, backend: str):
+        self.method, self.backend = method, backend
+        self.launches: Counter = Counter()   # Triton launches outside model forwards, by kernel
+        self.launch_excess = -math.inf       # max over steps of (launches - drafter depths used)
         self.steps = self.drafter_forwards = 0
         self.prefill_seconds = 0.0
         self.seconds = Counter()
@@ -175,6 +191,11 @@ class _Stats:
             self.accepted[SOURCE_NAMES[source[node]]] += 1
             self.accepted_by_depth[depth[node]] += 1
 
+    def record_launches(self, launched: Counter, depths: int) -> None:
+        launched.pop(ATTENTION_KERNEL, None)
+        self.launches += launched
+        self.launch_excess = max(self.launch_excess, sum(launched.values()) - depths)
+
     def finish(self, prompt_tokens: int, tokens: int, seconds: float) -> dict:
         steps = max(self.steps, 1)
         return {
@@ -185,6 +206,13 @@ class _Stats:
             "nodes_by_source": dict(self.nodes), "accepted_by_source": dict(self.accepted),
             "accepted_by_depth": {int(k): v for k, v in sorted(self.accepted_by_depth.items())},
             "time_split": {k: self.seconds[k] for k in ("draft", "retrieve", "verify", "commit")},
+            "backend": self.backend,
+            # Triton kernel launches per step outside the model forwards (goal: <= D + 6), and
+            # the worst step's launches minus its drafter depths; None on the torch backend.
+            "kernel_launches_per_step": (sum(self.launches.values()) / steps if self.backend == "triton" else None),
+            "kernel_launches_max_minus_depth": (self.launch_excess if self.backend == "triton" and self.steps
+                                                else None),
+            "kernel_launches_by_kernel": dict(self.launches) if self.backend == "triton" else None,
             "seconds": seconds, "prefill_seconds": self.prefill_seconds,
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         }

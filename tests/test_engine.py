@@ -17,7 +17,8 @@ from graft_tk.engine import Engine
 from graft_tk.errors import InputError
 from graft_tk.models import Model
 from graft_tk.models.transformer import ModelConfig, Transformer
-from graft_tk.reference.accept import greedy_accept, sample_accept
+from graft_tk.reference.accept import accept, greedy_accept
+from graft_tk.reference.retrieval import new_adjacency
 from graft_tk.sampling import target_probs
 from graft_tk.tree import Tree
 
@@ -118,7 +119,7 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return float(((obs[nz] - exp[nz]) ** 2 / exp[nz]).sum()), int(nz.sum()) - 1
 
 
-def test_sample_accept_follows_the_target_distribution():
+def test_sampling_accept_follows_the_target_distribution():
     """Root with 3 candidate children (one with its own child): token 1 ~ p_root, token 2 ~ p_child."""
     g = torch.Generator().manual_seed(0)
     V = 6
@@ -126,8 +127,8 @@ def test_sample_accept_follows_the_target_distribution():
     logits = torch.randn(5, V, generator=g) * 1.5
     counts1, counts2 = torch.zeros(V), torch.zeros(V)
     for _ in range(6000):
-        path, bonus = sample_accept(tree, logits, 1.0, 1.0, g)
-        seq = tree.tokens[path[1:]].tolist() + [int(bonus)]
+        path, n_path, bonus = accept(tree, logits, new_adjacency(V, 2), 1.0, 1.0, generator=g)
+        seq = tree.tokens[path[1:int(n_path)]].tolist() + [int(bonus)]
         counts1[seq[0]] += 1
         if seq[0] == 2:                   # node 1 was accepted: the next token comes from node 1's p
             counts2[seq[1]] += 1

@@ -1,8 +1,8 @@
-"""build_tree: Triton kernel (interpreted on CPU) vs torch reference, and the reference vs today's
-pipeline (drafting.select_nodes + drafting._as_tree + graft_merge per source).
+"""build_tree: Triton kernel (interpreted on CPU) vs torch reference, and the reference vs the
+step-by-step pipeline (select_nodes + draft_as_tree + one graft_merge per source).
 
 Pools come from the reference draft_expand on random logits over a few depths, exactly as
-draft_tree fills them; candidates are a prompt-lookup-like chain followed by reference retrieve
+draft_pool fills them; candidates are a prompt-lookup-like chain followed by reference retrieve
 on a random adjacency. A small vocabulary (V = 12..24) makes drafted and retrieved tokens collide,
 so the dedup paths run on every seed.
 """
@@ -11,11 +11,10 @@ import math
 import pytest
 import torch
 
-from graft_tk import drafting
 from graft_tk.backend import LAUNCHES
 from graft_tk.kernels.graft_merge import build_tree as build_tree_kernel
 from graft_tk.reference.draft_expand import draft_expand
-from graft_tk.reference.graft_merge import build_tree, graft_merge
+from graft_tk.reference.graft_merge import build_tree, draft_as_tree, graft_merge, select_nodes
 from graft_tk.reference.retrieval import RetrievalTemplate, default_template, retrieve, template_from_level_sizes
 from graft_tk.tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT, Tree
 
@@ -23,7 +22,7 @@ FIELDS = ("tokens", "parents", "depth", "source", "scores", "pool_index", "mask"
 
 
 def make_pool(seed: int, vocab: int, top_k: int, max_depth: int, log_tau: float, garbage: bool = True):
-    """draft_tree's candidate pool on random logits: (tokens, parents, scores, depths, n). Entries
+    """draft_pool's candidate pool on random logits: (tokens, parents, scores, depths, n). Entries
     past n are garbage with the best possible score when ``garbage`` (the op must ignore them)."""
     g = torch.Generator().manual_seed(seed)
     P = top_k + (max_depth - 1) * top_k * top_k
@@ -62,10 +61,10 @@ def make_candidates(seed: int, vocab: int, root: int, chain: list[int], template
 
 
 def old_pipeline(pool, root, log_tau, chain, template, cand_tokens, N) -> Tree:
-    """Today's engine path: select + _as_tree, then graft_merge of the chain, then of the template."""
+    """Step by step: select + draft_as_tree, then graft_merge of the chain, then of the template."""
     tokens, parents, scores, depths, n = pool
-    keep = drafting.select_nodes(parents[:n], scores[:n], N - 1, log_tau)
-    tree = drafting._as_tree(tokens, parents, scores, depths, keep, root, "cpu")
+    keep = select_nodes(parents[:n], scores[:n], N - 1, log_tau)
+    tree = draft_as_tree(tokens, parents, scores, depths, keep, root)
     L = len(chain)
     if L:
         chain_t = RetrievalTemplate(torch.arange(-1, L - 1), torch.zeros(L, dtype=torch.int32), 1)

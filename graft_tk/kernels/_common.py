@@ -13,7 +13,7 @@ def interpreted() -> bool:
 
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, counted in ``graft_tk.backend.LAUNCHES``."""
-    LAUNCHES.add()
+    LAUNCHES.add(getattr(kernel, "__name__", None) or kernel.fn.__name__)
     return kernel[grid](*args, **kwargs)
 
 

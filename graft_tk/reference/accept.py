@@ -11,8 +11,9 @@ drawn from what is left of p.
 
 ``accept`` is the op both backends share (``graft_tk.kernels.accept`` has the same signature):
 greedy or sampling with pre-drawn uniforms in exact integer arithmetic, fused with the
-successor-matrix update, fixed-size outputs and no host sync. ``greedy_accept`` and
-``sample_accept`` are the step-by-step definitions it is tested against.
+successor-matrix update, fixed-size outputs and no host sync. ``greedy_accept`` is the
+step-by-step greedy definition it is tested against (tests/test_kernel_accept.py holds the
+sequential sampling one).
 """
 from __future__ import annotations
 
@@ -41,33 +42,6 @@ def greedy_accept(tree: Tree, logits: Tensor) -> tuple[Tensor, Tensor]:
     last = depth.argmax()
     path = mask[last].nonzero().squeeze(-1)                                 # ancestors in index order
     return path, argmax[last]
-
-
-def sample_accept(tree: Tree, logits: Tensor, temperature: float, top_p: float,
-                  generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Lossless multi-candidate acceptance at temperature > 0; same outputs as greedy_accept."""
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    children: dict[int, list[int]] = {}
-    for i in range(1, len(tokens)):
-        children.setdefault(parents[i], []).append(i)
-    path, u = [0], 0
-    while True:
-        p = target_probs(logits[u], temperature, top_p)
-        for c in children.get(u, []):
-            r = torch.rand((), generator=generator, device=p.device)
-            if r < p[tokens[c]]:
-                u = c
-                break
-            p[tokens[c]] = 0.0
-            mass = p.sum()
-            if mass <= 0:  # p(c) was 1 up to rounding and r landed in the rounding gap
-                u = c
-                break
-            p = p / mass
-        else:
-            bonus = torch.multinomial(p, 1, generator=generator).squeeze(0)
-            return torch.tensor(path, device=logits.device), bonus
-        path.append(u)
 
 
 # --------------------------------------------------------------------------- fused accept + M update
@@ -139,8 +113,8 @@ def accept(tree: Tree, logits: Tensor, adj: Tensor, temperature: float, top_p: f
     Cost on CPU (one thread, N = 64, V = 151,936): greedy ~20 ms, the same as ``greedy_accept`` +
     ``update_adjacency``. Sampling ~110 ms at top_p = 1 and ~1 s at top_p < 1, because every
     row's target_probs is computed (and sorted, for the nucleus) — the price of deciding all nodes
-    at once with the kernel's exact arithmetic; ``sample_accept`` touches only the visited rows
-    (~15 / ~28 ms) and stays the cheaper CPU choice for sampling.
+    at once with the kernel's exact arithmetic (a sequential walk touching only the visited rows
+    would take ~15 / ~28 ms; one code path for both backends was preferred).
     """
     n, vocab = logits.shape
     if tree.n != n:

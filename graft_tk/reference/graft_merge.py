@@ -143,7 +143,6 @@ def select_nodes(parents: Tensor, scores: Tensor, n_keep: int, log_tau: float) -
     Ranking: score descending, equal scores -> lower pool id first (a stable sort). A child never
     outscores its parent (log p <= 0) and ties keep the parent (lower id) first, so the top scores
     already form a tree; the closure pass only matters for pools that break that rule.
-    (The spec of ``graft_tk.drafting.select_nodes``, moved here with ``build_tree``.)
     """
     if n_keep <= 0:
         return torch.zeros(0, dtype=torch.long, device=scores.device)
@@ -160,7 +159,7 @@ def select_nodes(parents: Tensor, scores: Tensor, n_keep: int, log_tau: float) -
 
 def draft_as_tree(tokens: Tensor, parents: Tensor, scores: Tensor, depths: Tensor, keep: Tensor,
                   root_token: int | Tensor) -> Tree:
-    """Root + the pool entries ``keep`` (pool order) as a Tree (``graft_tk.drafting._as_tree``)."""
+    """Root + the pool entries ``keep`` (pool order) as a Tree."""
     device = tokens.device
     remap = torch.full((tokens.shape[0],), -1, dtype=torch.long, device=device)
     remap[keep] = torch.arange(1, keep.shape[0] + 1, device=device)
@@ -219,7 +218,7 @@ def build_tree(pool_tokens: Tensor, pool_parents: Tensor, pool_scores: Tensor, p
 
     Parameters
     ----------
-    pool_tokens : int64 [P]      drafted candidates in creation order (as ``draft_tree`` builds them)
+    pool_tokens : int64 [P]      drafted candidates in creation order (as ``draft_pool`` builds them)
     pool_parents : int64 [P]     -1 = child of the root, else an earlier pool index
     pool_scores : float32 [P]    cumulative drafter log-prob
     pool_depth : int [P]         depth of each entry (root children: 1)
