@@ -6,11 +6,21 @@ import torch
 import graft_tk.kernels  # noqa: F401  (sets TRITON_INTERPRET before any kernel module is imported)
 from graft_tk.tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT, Tree
 
+# Kernel tests run on CUDA when there is one (compiled Triton), else on CPU (Triton's interpreter).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def on_device(*values):
+    """Move inputs built on CPU (seeded CPU generators: the same values on every machine) to DEVICE;
+    non-tensors (ints, floats) pass unchanged. One value gives one value, several a tuple."""
+    moved = tuple(v.to(DEVICE) if isinstance(v, torch.Tensor) else v for v in values)
+    return moved[0] if len(moved) == 1 else moved
+
 
 def random_tree(n: int, seed: int, vocab: int = 50, max_children: int | None = None,
-                device: str = "cpu") -> Tree:
+                device: torch.device | str = "cpu") -> Tree:
     """A valid random tree of ``n`` nodes: parents before children, distinct tokens among siblings,
-    random sources and drafter scores (-inf for non-drafted nodes)."""
+    random sources and drafter scores (-inf for non-drafted nodes). Drawn on CPU whatever ``device``."""
     g = torch.Generator().manual_seed(seed)
     tokens, parents, sources, scores = [int(torch.randint(vocab, (1,), generator=g))], [-1], [ROOT], [0.0]
     children: dict[int, set[int]] = {0: set()}

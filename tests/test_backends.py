@@ -1,5 +1,6 @@
-"""The Triton backend end to end (kernels run in Triton's interpreter on CPU): the same tokens as
-the torch backend for every method, greedy and sampled, and the launch budget per step."""
+"""The Triton backend end to end: the same tokens as the torch backend for every method, greedy and
+sampled, and the launch budget per step. The models live on DEVICE (CUDA: compiled kernels vs the
+torch references on the GPU; CPU: Triton's interpreter); decode runs on the model's device."""
 import pytest
 import torch
 
@@ -10,13 +11,15 @@ from graft_tk.errors import InputError
 from graft_tk.models import Model
 from graft_tk.models.transformer import ModelConfig, Transformer
 
+from .kernel_utils import DEVICE
 from .test_engine import SPECULATIVE, _TinyTokenizer
 
 CONFIG = GraftConfig(budget=12, top_k=3, max_depth=4, tau=0.05, retrieval_k=4, template=(4, 6, 4), pld_tokens=5)
 
 
 def _model(seed: int, n_layers: int, vocab: int = 300) -> Model:
-    """A small random llama with the kernels' real shapes (head dim 64, GQA 4:2, vocab not a power of two)."""
+    """A small random llama with the kernels' real shapes (head dim 64, GQA 4:2, vocab not a power of two),
+    drawn on CPU (the same weights on every machine), then moved to DEVICE."""
     torch.manual_seed(seed)
     cfg = ModelConfig(arch="llama", vocab_size=vocab, dim=256, n_layers=n_layers, n_heads=4, n_kv_heads=2,
                       head_dim=64, intermediate_size=256, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -24,6 +27,7 @@ def _model(seed: int, n_layers: int, vocab: int = 300) -> Model:
     net = Transformer(cfg)
     for p in net.parameters():
         p.data.normal_(0, 0.15)
+    net.to(DEVICE)
     return Model(f"small{seed}", None, cfg, _TinyTokenizer(), net.eval().requires_grad_(False))
 
 

@@ -1,10 +1,11 @@
-"""build_tree: Triton kernel (interpreted on CPU) vs torch reference, and the reference vs the
-step-by-step pipeline (select_nodes + draft_as_tree + one graft_merge per source).
+"""build_tree: Triton kernel (compiled on CUDA, interpreted on CPU) vs torch reference, and the
+reference vs the step-by-step pipeline (select_nodes + draft_as_tree + one graft_merge per source).
 
 Pools come from the reference draft_expand on random logits over a few depths, exactly as
 draft_pool fills them; candidates are a prompt-lookup-like chain followed by reference retrieve
 on a random adjacency. A small vocabulary (V = 12..24) makes drafted and retrieved tokens collide,
-so the dedup paths run on every seed.
+so the dedup paths run on every seed. Pools and candidates are built on CPU (seeded: the same
+values everywhere) and moved to DEVICE; kernel and reference get the same device tensors.
 """
 import math
 
@@ -17,13 +18,15 @@ from graft_tk.reference.draft_expand import draft_expand
 from graft_tk.reference.graft_merge import build_tree, draft_as_tree, graft_merge, select_nodes
 from graft_tk.reference.retrieval import RetrievalTemplate, default_template, retrieve, template_from_level_sizes
 from graft_tk.tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT, Tree
+from tests.kernel_utils import DEVICE, on_device
 
 FIELDS = ("tokens", "parents", "depth", "source", "scores", "pool_index", "mask", "n_nodes")
 
 
 def make_pool(seed: int, vocab: int, top_k: int, max_depth: int, log_tau: float, garbage: bool = True):
     """draft_pool's candidate pool on random logits: (tokens, parents, scores, depths, n). Entries
-    past n are garbage with the best possible score when ``garbage`` (the op must ignore them)."""
+    past n are garbage with the best possible score when ``garbage`` (the op must ignore them).
+    Built on CPU (the reference draft_expand on CPU-drawn logits): move with ``on_device``."""
     g = torch.Generator().manual_seed(seed)
     P = top_k + (max_depth - 1) * top_k * top_k
     tokens = torch.randint(vocab, (P,), generator=g) if garbage else torch.zeros(P, dtype=torch.long)
@@ -47,7 +50,8 @@ def make_pool(seed: int, vocab: int, top_k: int, max_depth: int, log_tau: float,
 def make_candidates(seed: int, vocab: int, root: int, chain: list[int], template: RetrievalTemplate,
                     k: int = 8, missing: float = 0.2):
     """A prompt-lookup chain (given tokens, -1 = missing) then the template walked over a random
-    adjacency with ``missing`` of its entries empty: (tokens, parents int32, source int8)."""
+    adjacency with ``missing`` of its entries empty: (tokens, parents int32, source int8), on CPU.
+    ``template`` must be on CPU."""
     g = torch.Generator().manual_seed(seed)
     adj = torch.randint(vocab, (vocab, k), generator=g, dtype=torch.int32)
     adj[torch.rand(vocab, k, generator=g) < missing] = -1
@@ -68,6 +72,7 @@ def old_pipeline(pool, root, log_tau, chain, template, cand_tokens, N) -> Tree:
     L = len(chain)
     if L:
         chain_t = RetrievalTemplate(torch.arange(-1, L - 1), torch.zeros(L, dtype=torch.int32), 1)
+        chain_t = chain_t.to(cand_tokens.device)
         tree = graft_merge(tree, cand_tokens[:L], chain_t, N, PROMPT_LOOKUP)
     return graft_merge(tree, cand_tokens[L:], template, N)
 
@@ -94,7 +99,7 @@ def check_tree(out):
     assert torch.equal(out.mask[:n, :(n + 31) // 32], tree.packed_mask())
     assert torch.equal(unpack(out.mask)[:n, :n], tree.attn_mask())
     assert not unpack(out.mask)[:n, n:].any()                       # no real row sees padding
-    assert torch.equal(unpack(out.mask)[n:], torch.eye(N, dtype=torch.bool)[n:])   # padding: own bit
+    assert torch.equal(unpack(out.mask)[n:], torch.eye(N, dtype=torch.bool, device=out.mask.device)[n:])  # padding
     assert (out.tokens[n:] == -1).all() and (out.source[n:] == -1).all() and (out.pool_index[n:] == -1).all()
     drafted = tree.source == DRAFT
     assert ((out.pool_index[:n] >= 0) == drafted).all()
@@ -103,11 +108,12 @@ def check_tree(out):
 def unpack(mask):
     """int32 [N, W] -> bool [N, N]."""
     N = mask.shape[0]
-    bits = (mask.long()[:, :, None] >> torch.arange(32)) & 1
+    bits = (mask.long()[:, :, None] >> torch.arange(32, device=mask.device)) & 1
     return bits.reshape(N, -1)[:, :N].bool()
 
 
 def realistic_args(seed, N, log_tau, vocab=16, top_k=4, max_depth=4, chain_len=5, sizes=(8, 21, 25, 15, 8, 3)):
+    """(build_tree args, old_pipeline args), every tensor on DEVICE (built on CPU, then moved)."""
     pool = make_pool(seed, vocab, top_k, max_depth, log_tau)
     tokens, parents, scores, depths, n = pool
     root = int(torch.randint(vocab, (1,), generator=torch.Generator().manual_seed(seed + 1000)))
@@ -115,8 +121,8 @@ def realistic_args(seed, N, log_tau, vocab=16, top_k=4, max_depth=4, chain_len=5
     chain = ([int(tokens[0])] + [(seed * 7 + i) % vocab for i in range(chain_len - 1)])[:chain_len]
     template = template_from_level_sizes(sizes, 8)
     cands = make_candidates(seed, vocab, root, chain, template)
-    args = (tokens, parents, scores, depths, n, torch.tensor(root), log_tau, *cands, N)
-    return args, (pool, root, log_tau, chain, template, cands[0], N)
+    args = on_device(tokens, parents, scores, depths, n, torch.tensor(root), log_tau, *cands, N)
+    return args, (on_device(*pool), root, log_tau, chain, template.to(DEVICE), args[7], N)
 
 
 # ------------------------------------------------------------------ kernel vs reference, realistic
@@ -145,7 +151,7 @@ def test_reference_equals_old_pipeline(seed, N):
 def test_n_pool_as_device_tensor():
     args, _ = realistic_args(5, 16, math.log(0.05))
     args = list(args)
-    args[4] = torch.tensor(args[4])
+    args[4] = torch.tensor(args[4], device=DEVICE)
     run_both(*args)
 
 
@@ -175,16 +181,17 @@ def test_empty_pool_retrieval_only():
 
 
 def test_zero_sized_pool_and_no_candidates():
-    empty = torch.zeros(0, dtype=torch.long)
-    out = run_both(empty, empty, torch.zeros(0), empty, 0, torch.tensor(9), 0.0,
-                   empty, torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int8), 5)
+    empty = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    out = run_both(empty, empty, torch.zeros(0, device=DEVICE), empty, 0, torch.tensor(9, device=DEVICE), 0.0,
+                   empty, *on_device(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int8)), 5)
     assert int(out.n_nodes) == 1 and out.tokens.tolist() == [9, -1, -1, -1, -1]
 
 
 def test_no_candidates_is_the_pruned_draft():
     args, _ = realistic_args(2, 16, math.log(0.05))
-    empty = torch.zeros(0, dtype=torch.long)
-    out = run_both(*args[:7], empty, torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int8), 16)
+    empty = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    no_parents, no_source = on_device(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int8))
+    out = run_both(*args[:7], empty, no_parents, no_source, 16)
     assert (out.source[1:int(out.n_nodes)] == DRAFT).all()
 
 
@@ -210,7 +217,7 @@ def test_candidates_duplicating_drafted_nodes():
     cpar = torch.cat([torch.arange(-1, L - 1), torch.arange(L - 1, 2 * L - 1)]).to(torch.int32)
     cpar[L] = -1
     csrc = torch.tensor([PROMPT_LOOKUP] * L + [RETRIEVAL] * L, dtype=torch.int8)
-    out = run_both(tokens, parents, scores, depths, n, torch.tensor(3), -math.inf, cand, cpar, csrc, 16)
+    out = run_both(*on_device(tokens, parents, scores, depths, n, torch.tensor(3), -math.inf, cand, cpar, csrc, 16))
     assert int(out.n_nodes) == 16 and (out.source[1:] == DRAFT).all()
 
 
@@ -245,7 +252,7 @@ def test_score_ties_and_closure():
     cand = torch.tensor([12, 13, 17], dtype=torch.int64)          # 12 reuses node 2; 13 under it; 17 dropped
     cpar = torch.tensor([-1, 0, 0], dtype=torch.int32)
     csrc = torch.full((3,), RETRIEVAL, dtype=torch.int8)
-    out = run_both(tokens, parents, scores, depths, 7, torch.tensor(1), -math.inf, cand, cpar, csrc, 6)
+    out = run_both(*on_device(tokens, parents, scores, depths, 7, torch.tensor(1), -math.inf, cand, cpar, csrc, 6))
     assert out.tokens.tolist() == [1, 10, 12, 15, 16, 13]
     assert out.parents.tolist() == [-1, 0, 0, 0, 0, 2]
     assert out.pool_index.tolist() == [-1, 0, 2, 5, 6, -1]
@@ -256,9 +263,10 @@ def test_score_ties_and_closure():
 def test_default_template_two_mask_words_full():
     # 80-node template + chain, N = 48 > 32, no drafter (retrieval only): a dense M fills it.
     template = default_template(8)
-    cands = make_candidates(8, 50, 7, [1, 2, 3], template, missing=0.0)
-    empty = torch.zeros(0, dtype=torch.long)
-    out = run_both(empty, empty, torch.zeros(0), empty, 0, torch.tensor(7), 0.0, *cands, 48)
+    cands = on_device(*make_candidates(8, 50, 7, [1, 2, 3], template, missing=0.0))
+    empty = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    out = run_both(empty, empty, torch.zeros(0, device=DEVICE), empty, 0, torch.tensor(7, device=DEVICE), 0.0,
+                   *cands, 48)
     assert int(out.n_nodes) == 48 and out.mask.shape == (48, 2)
 
 

@@ -1,4 +1,6 @@
-"""draft_expand: Triton kernel (interpreted on CPU) vs torch reference, and the reference's tie order.
+"""draft_expand: Triton kernel (compiled on CUDA, interpreted on CPU) vs torch reference, and the
+reference's tie order. Inputs are drawn on CPU (seeded: the same values everywhere) and moved to
+DEVICE; kernel and reference get the same device tensors.
 
 Integer outputs (tokens, parents, next frontier, stop) must be equal; scores within KERNEL_TOL.
 The kernel's log-sum-exp is summed in a different order than ATen's, so scores differ by ulps:
@@ -14,6 +16,7 @@ import torch
 from graft_tk.backend import LAUNCHES
 from graft_tk.kernels.draft_expand import _config, draft_expand as draft_expand_kernel
 from graft_tk.reference.draft_expand import desc_key, draft_expand, key_index, top_k_lowest_index
+from tests.kernel_utils import DEVICE, on_device
 from tests.tolerances import KERNEL_TOL
 
 
@@ -35,7 +38,7 @@ def run_both(frontier_scores, logits, top_k, log_tau):
 
 def inputs(F, V, seed, scale=3.0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return -torch.rand(F, generator=g) * 4, (torch.randn(F, V, generator=g) * scale).to(dtype)
+    return on_device(-torch.rand(F, generator=g) * 4, (torch.randn(F, V, generator=g) * scale).to(dtype))
 
 
 @pytest.mark.parametrize("F,V,K", [
@@ -55,7 +58,7 @@ def test_matches_reference(F, V, K):
 
 def test_fp16_and_strided_logits():
     fs, logits = inputs(4, 3000, seed=3)
-    wide = torch.zeros(4, 3100)
+    wide = torch.zeros(4, 3100, device=DEVICE)
     wide[:, :3000] = logits
     run_both(fs, wide[:, :3000], 4, -3.0)                       # row stride 3100 != V
     run_both(fs, logits.half(), 4, -3.0)                        # fp16 logits, read as fp32
@@ -70,6 +73,7 @@ def test_ties(F, V, K):
     logits[-1] = logits[0]
     fs = torch.zeros(F)
     fs[-1] = fs[0] = -1.0
+    fs, logits = on_device(fs, logits)
     got = run_both(fs, logits, K, -3.0)
     # The reference's order is the stable one: larger first, equal -> lower index first.
     want_tokens = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :K].reshape(-1)
@@ -117,6 +121,7 @@ def test_top_k_lowest_index_is_the_stable_order():
         x = torch.randint(-3, 3, (F, V), generator=g).float() if trial % 2 else torch.randn(F, V, generator=g)
         x[torch.rand(F, V, generator=g) < 0.2] = float("-inf")
         x[torch.rand(F, V, generator=g) < 0.1] = -0.0
+        x = on_device(x)                       # drawn on CPU; the reference runs on DEVICE too
         want = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :K]
         assert torch.equal(top_k_lowest_index(x, K), want)
-        assert torch.equal(key_index(desc_key(x, torch.arange(V)).topk(K, dim=-1).values), want)
+        assert torch.equal(key_index(desc_key(x, torch.arange(V, device=DEVICE)).topk(K, dim=-1).values), want)

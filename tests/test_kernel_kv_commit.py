@@ -1,8 +1,11 @@
-"""KV commit kernel vs the torch reference: overlapping moves, all layers in one launch, exact bits."""
+"""KV commit kernel vs the torch reference: overlapping moves, all layers in one launch, exact bits.
+
+Caches are drawn on CPU (seeded: the same values everywhere) and moved to DEVICE (CUDA: compiled
+kernels; CPU: Triton's interpreter); slot tensors go to DEVICE too."""
 import pytest
 import torch
 
-from tests.kernel_utils import random_tree  # noqa: F401  (imports graft_tk.kernels first: interpreter on CPU)
+from tests.kernel_utils import DEVICE, on_device  # (imports graft_tk.kernels first: interpreter on CPU)
 from graft_tk.backend import LAUNCHES
 from graft_tk.kernels.kv_commit import commit_kv as commit_kernel
 from graft_tk.reference.kv_commit import commit_kv as commit_reference
@@ -12,7 +15,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def random_kv(shape, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g).to(dtype)
+    return torch.randn(shape, generator=g).to(dtype).to(DEVICE)
 
 
 def check(kv, src, dst_start, launches=1):
@@ -46,13 +49,13 @@ CASES = {
 def test_matches_reference(case, dtype):
     src, dst = CASES[case]
     kv = random_kv((3, 2, 1, 2, 16, 32), dtype, seed=len(src))   # L=3, B=1, H=2, S=16, D=32
-    check(kv, torch.tensor(src), dst)
+    check(kv, torch.tensor(src, device=DEVICE), dst)
 
 
 @pytest.mark.parametrize("head_dim", [24, 1, 200])   # not powers of two; 200 > the 128-wide D block
 def test_head_dim_not_a_power_of_two(head_dim):
     kv = random_kv((2, 2, 2, 3, 12, head_dim), torch.float16, seed=head_dim)   # batch 2
-    check(kv, torch.tensor([4, 6, 7, 10]), 4)
+    check(kv, torch.tensor([4, 6, 7, 10], device=DEVICE), 4)
 
 
 def test_many_slots_shrink_the_d_block():
@@ -60,13 +63,13 @@ def test_many_slots_shrink_the_d_block():
     kv = random_kv((1, 2, 1, 1, 256, 64), torch.float32, seed=0)
     g = torch.Generator().manual_seed(1)
     src = 20 + torch.sort(torch.randperm(200, generator=g)[:100]).values
-    check(kv, src, 20)
+    check(kv, on_device(src), 20)
 
 
 def test_n0_launches_nothing():
     kv = random_kv((2, 2, 1, 2, 8, 16), torch.float32, seed=0)
     before = kv.clone()
-    check(kv, torch.zeros(0, dtype=torch.int64), 3, launches=0)
+    check(kv, torch.zeros(0, dtype=torch.int64, device=DEVICE), 3, launches=0)
     assert torch.equal(kv, before)
 
 
@@ -74,14 +77,14 @@ def test_non_contiguous_cache_and_int32_slots():
     # a cache stored [L, 2, B, S, H, D] and viewed as [L, 2, B, H, S, D]: strides, not shapes, address it
     base = random_kv((2, 2, 1, 16, 4, 8), torch.bfloat16, seed=3)
     kv = base.transpose(3, 4)
-    check(kv, torch.tensor([3, 5, 6], dtype=torch.int32), 3)
+    check(kv, torch.tensor([3, 5, 6], dtype=torch.int32, device=DEVICE), 3)
 
 
 def test_bad_input_is_a_clear_error():
     kv = random_kv((1, 2, 1, 1, 8, 4), torch.float32, seed=0)
     with pytest.raises(ValueError, match="outside the cache"):
-        commit_kernel(kv, torch.tensor([0, 1, 2]), 6)
+        commit_kernel(kv, torch.tensor([0, 1, 2], device=DEVICE), 6)
     with pytest.raises(ValueError, match=r"\[L, 2, B, H, S, D\]"):
-        commit_kernel(kv[0], torch.tensor([0]), 0)
+        commit_kernel(kv[0], torch.tensor([0], device=DEVICE), 0)
     with pytest.raises(ValueError, match="integer"):
-        commit_kernel(kv, torch.tensor([0.0]), 0)
+        commit_kernel(kv, torch.tensor([0.0], device=DEVICE), 0)

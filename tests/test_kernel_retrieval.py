@@ -1,20 +1,24 @@
-"""Retrieval kernel vs the torch reference: every template level in one launch, exact tokens."""
+"""Retrieval kernel vs the torch reference: every template level in one launch, exact tokens.
+
+Inputs are drawn on CPU (seeded: the same values everywhere) and moved to DEVICE (CUDA: compiled
+kernels; CPU: Triton's interpreter); kernel and reference get the same device tensors."""
 import pytest
 import torch
 
-from tests.kernel_utils import random_tree  # noqa: F401  (imports graft_tk.kernels first: interpreter on CPU)
+from tests.kernel_utils import DEVICE, on_device  # (imports graft_tk.kernels first: interpreter on CPU)
 from graft_tk.backend import LAUNCHES
 from graft_tk.kernels.retrieval import retrieve as retrieve_kernel
 from graft_tk.reference.retrieval import RetrievalTemplate, retrieve, template_from_level_sizes
 
 
 def random_adjacency(vocab: int, k: int, seed: int, empty_rows: float = 0.3, empty_cols: float = 0.2) -> torch.Tensor:
-    """int32 [vocab, k] with whole rows never written (-1) and scattered empty entries (-1)."""
+    """int32 [vocab, k] on DEVICE with whole rows never written (-1) and scattered empty entries
+    (-1); drawn on CPU, so the same values on every machine."""
     g = torch.Generator().manual_seed(seed)
     adj = torch.randint(0, vocab, (vocab, k), generator=g, dtype=torch.int32)
     adj[torch.rand(vocab, generator=g) < empty_rows] = -1
     adj[torch.rand(vocab, k, generator=g) < empty_cols] = -1
-    return adj
+    return adj.to(DEVICE)
 
 
 TEMPLATES = {
@@ -33,12 +37,12 @@ TEMPLATES = {
 @pytest.mark.parametrize("vocab", [37, 1000])   # neither is a multiple of any block size
 def test_matches_reference(name, vocab):
     sizes, k = TEMPLATES[name]
-    template = template_from_level_sizes(sizes, k)
+    template = template_from_level_sizes(sizes, k).to(DEVICE)
     for seed in range(4):
         adj = random_adjacency(vocab, k, seed)
         g = torch.Generator().manual_seed(100 + seed)
         for root in [int(torch.randint(vocab, (1,), generator=g)) for _ in range(3)]:
-            root_t = torch.tensor(root)
+            root_t = torch.tensor(root, device=DEVICE)
             before = LAUNCHES.count
             out = retrieve_kernel(adj, root_t, template)
             assert LAUNCHES.count - before == 1                      # all levels, one launch
@@ -47,34 +51,37 @@ def test_matches_reference(name, vocab):
 
 
 def test_root_with_empty_row_gives_all_minus_one():
-    template = template_from_level_sizes((8, 21, 25, 15, 8, 3), 8)
+    template = template_from_level_sizes((8, 21, 25, 15, 8, 3), 8).to(DEVICE)
     adj = random_adjacency(100, 8, 0)
     adj[42] = -1
-    out = retrieve_kernel(adj, torch.tensor([42]), template)         # [1]-shaped root like the reference
-    assert torch.equal(out, torch.full((80,), -1)) and torch.equal(out, retrieve(adj, torch.tensor([42]), template))
+    root = torch.tensor([42], device=DEVICE)
+    out = retrieve_kernel(adj, root, template)                        # [1]-shaped root like the reference
+    assert torch.equal(out, torch.full((80,), -1, device=DEVICE)) and torch.equal(out, retrieve(adj, root, template))
 
 
 def test_missing_node_hides_its_subtree():
     # The reference's worked example: node 3 hits an empty column, node 4 an empty row.
-    adj = torch.full((16, 2), -1, dtype=torch.int32)
-    adj[5] = torch.tensor([7, 9], dtype=torch.int32)
-    adj[7] = torch.tensor([3, -1], dtype=torch.int32)
-    template = RetrievalTemplate(torch.tensor([-1, -1, 0, 0, 1]), torch.tensor([0, 1, 0, 1, 0]), k=2)
-    assert torch.equal(retrieve_kernel(adj, torch.tensor(5), template), torch.tensor([7, 9, 3, -1, -1]))
+    adj = torch.full((16, 2), -1, dtype=torch.int32, device=DEVICE)
+    adj[5] = torch.tensor([7, 9], dtype=torch.int32, device=DEVICE)
+    adj[7] = torch.tensor([3, -1], dtype=torch.int32, device=DEVICE)
+    template = RetrievalTemplate(torch.tensor([-1, -1, 0, 0, 1]), torch.tensor([0, 1, 0, 1, 0]), k=2).to(DEVICE)
+    root = torch.tensor(5, device=DEVICE)
+    assert torch.equal(retrieve_kernel(adj, root, template), on_device(torch.tensor([7, 9, 3, -1, -1])))
     # A deeper template under the missing node: its whole subtree stays -1 even where M has rows.
-    adj[3] = torch.tensor([1, 2], dtype=torch.int32)
-    adj[0] = torch.tensor([4, 4], dtype=torch.int32)   # row 0: must not be read through a clamped -1
-    deep = RetrievalTemplate(torch.tensor([-1, -1, 0, 0, 1, 2, 3, 4]), torch.tensor([0, 1, 0, 1, 0, 0, 0, 0]), k=2)
-    expected = torch.tensor([7, 9, 3, -1, -1, 1, -1, -1])
-    assert torch.equal(retrieve(adj, torch.tensor(5), deep), expected)
-    assert torch.equal(retrieve_kernel(adj, torch.tensor(5), deep), expected)
+    adj[3] = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
+    adj[0] = torch.tensor([4, 4], dtype=torch.int32, device=DEVICE)   # row 0: must not be read through a clamped -1
+    deep = RetrievalTemplate(torch.tensor([-1, -1, 0, 0, 1, 2, 3, 4]), torch.tensor([0, 1, 0, 1, 0, 0, 0, 0]),
+                             k=2).to(DEVICE)
+    expected = on_device(torch.tensor([7, 9, 3, -1, -1, 1, -1, -1]))
+    assert torch.equal(retrieve(adj, root, deep), expected)
+    assert torch.equal(retrieve_kernel(adj, root, deep), expected)
 
 
 def test_wider_adjacency_than_template():
     # adj has k = 8 columns, the template reads only 3 (strides, not k, address M).
-    template = template_from_level_sizes((3, 6, 4), 3)
+    template = template_from_level_sizes((3, 6, 4), 3).to(DEVICE)
     adj = random_adjacency(50, 8, 3)
-    root = torch.tensor(7)
+    root = torch.tensor(7, device=DEVICE)
     assert torch.equal(retrieve_kernel(adj, root, template), retrieve(adj, root, template))
     # a non-contiguous view of M (every other column) works the same
     wide = random_adjacency(50, 6, 4)[:, ::2]
@@ -82,23 +89,25 @@ def test_wider_adjacency_than_template():
 
 
 def test_empty_template_needs_no_launch():
-    empty = RetrievalTemplate(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), k=2)
+    empty = RetrievalTemplate(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), k=2).to(DEVICE)
     before = LAUNCHES.count
-    out = retrieve_kernel(random_adjacency(10, 2, 0), torch.tensor(1), empty)
+    out = retrieve_kernel(random_adjacency(10, 2, 0), torch.tensor(1, device=DEVICE), empty)
     assert out.shape == (0,) and LAUNCHES.count == before
 
 
 def test_bad_input_is_a_clear_error():
-    template = template_from_level_sizes((2, 2), 2)
+    template = template_from_level_sizes((2, 2), 2).to(DEVICE)
+    one, two = torch.tensor(1, device=DEVICE), torch.tensor([1, 2], device=DEVICE)
     with pytest.raises(ValueError, match="adj has only"):
-        retrieve_kernel(random_adjacency(10, 1, 0), torch.tensor(1), template)
+        retrieve_kernel(random_adjacency(10, 1, 0), one, template)
     with pytest.raises(ValueError, match="int32"):
-        retrieve_kernel(random_adjacency(10, 2, 0).long(), torch.tensor(1), template)
+        retrieve_kernel(random_adjacency(10, 2, 0).long(), one, template)
     with pytest.raises(ValueError, match="one token"):
-        retrieve_kernel(random_adjacency(10, 2, 0), torch.tensor([1, 2]), template)
+        retrieve_kernel(random_adjacency(10, 2, 0), two, template)
 
 
 def test_rank_paths_are_cached_on_the_template():
+    # CPU only: a fact about the template's host-side construction and .to(); no kernel runs.
     t = RetrievalTemplate(torch.tensor([-1, -1, 0, 2]), torch.tensor([0, 1, 1, 0]), k=2)
     assert torch.equal(t.rank_paths, torch.tensor([[0, -1, -1], [1, -1, -1], [0, 1, -1], [0, 1, 0]],
                                                   dtype=torch.int32))

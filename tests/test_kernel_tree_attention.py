@@ -1,7 +1,9 @@
 """Tree attention: the Triton kernel against the torch reference, metamorphic checks, and the
 model giving the same logits on the "triton" attention backend as on "torch".
 
-Runs on CPU under TRITON_INTERPRET=1 (set by graft_tk.kernels): shapes stay small. The kernel's
+Runs compiled on CUDA when there is a GPU, else on CPU under TRITON_INTERPRET=1 (set by
+graft_tk.kernels): shapes stay small. Inputs are drawn on CPU (the same values everywhere) and
+moved to DEVICE; kernel and reference get the same device tensors. The kernel's
 heuristic tiles are BLOCK_N = 64 keys and BLOCK_M = next_pow2(group * T) rows in [16, 64], so the
 shapes below are chosen around 64.
 """
@@ -16,19 +18,19 @@ from graft_tk.models.transformer import ModelConfig, Transformer
 from graft_tk.reference.tree_attention import tree_attention as tree_attention_torch
 from graft_tk.tree import Tree
 
-from .kernel_utils import random_tree
+from .kernel_utils import DEVICE, on_device, random_tree
 from .tolerances import KERNEL_TOL
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _inputs(B, Hq, Hkv, T, D, S, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)   # CPU generator, then DEVICE: the same values everywhere
     # q as a transposed view, as the model's rotary output is: the kernel must honour strides.
-    q = torch.randn(B, T, Hq, D, generator=g).to(dtype).transpose(1, 2)
+    q = torch.randn(B, T, Hq, D, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
     k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
     v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
-    return q, k, v
+    return (q, *on_device(k, v))
 
 
 def _assert_close(got, want, dtype):
@@ -38,7 +40,7 @@ def _assert_close(got, want, dtype):
 
 
 def _tree_mask(T, seed):
-    return random_tree(T, seed=seed).attn_mask()
+    return random_tree(T, seed=seed, device=DEVICE).attn_mask()
 
 
 # (name, B, Hq, Hkv, T, D, prefix_len, mask kind) — each names the code path it hits.
@@ -65,8 +67,8 @@ CASES = [
 def test_kernel_matches_reference(name, B, Hq, Hkv, T, D, prefix_len, kind, dtype):
     S = prefix_len + T + 7  # a static cache longer than kv_len: keys past kv_len must be ignored
     q, k, v = _inputs(B, Hq, Hkv, T, D, S, dtype, seed=len(name))
-    mask = {"ones": torch.ones(T, T, dtype=torch.bool),
-            "causal": torch.ones(T, T, dtype=torch.bool).tril(),
+    mask = {"ones": torch.ones(T, T, dtype=torch.bool, device=DEVICE),
+            "causal": torch.ones(T, T, dtype=torch.bool, device=DEVICE).tril(),
             "tree": _tree_mask(T, seed=T)}[kind]
     before = LAUNCHES.count
     got = tree_attention_triton(q, k, v, prefix_len, mask)
@@ -79,7 +81,7 @@ def test_row_without_visible_key_is_zero(dtype):
     """prefix 0 and an all-False row: zeros (SDPA would give NaN); other rows unaffected."""
     T = 6
     q, k, v = _inputs(1, 4, 2, T, 64, 10, dtype, seed=3)
-    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    mask = torch.ones(T, T, dtype=torch.bool, device=DEVICE).tril()
     mask[2] = False
     got = tree_attention_triton(q, k, v, 0, mask)
     want = tree_attention_torch(q, k, v, 0, mask)
@@ -100,7 +102,7 @@ def test_chain_tree_equals_causal_attention(prefix_len):
     """A chain-shaped tree (each node the child of the previous) is causal attention: compare with
     SDPA is_causal over all kv_len queries, keeping the last T rows."""
     T, Hq, Hkv, D = 21, 4, 2, 64
-    chain = Tree.from_lists(list(range(T)), [-1] + list(range(T - 1)))
+    chain = Tree.from_lists(list(range(T)), [-1] + list(range(T - 1)), device=DEVICE)
     kv_len = prefix_len + T
     q_all, k, v = _inputs(1, Hq, Hkv, kv_len, D, kv_len, torch.float32, seed=5)
     want = F.scaled_dot_product_attention(q_all, k, v, is_causal=True, enable_gqa=True)[:, :, prefix_len:]
@@ -114,15 +116,15 @@ def test_permuting_nodes_permutes_outputs():
     T, P, Hq, Hkv, D = 19, 45, 4, 1, 64
     q, k, v = _inputs(1, Hq, Hkv, T, D, P + T, torch.float32, seed=6)
     mask = _tree_mask(T, seed=6)
-    perm = torch.randperm(T, generator=torch.Generator().manual_seed(6))
-    slots = torch.cat([torch.arange(P), P + perm])
+    perm = on_device(torch.randperm(T, generator=torch.Generator().manual_seed(6)))
+    slots = torch.cat([torch.arange(P, device=DEVICE), P + perm])
     got = tree_attention_triton(q[:, :, perm], k[:, :, slots], v[:, :, slots], P, mask[perm][:, perm])
     _assert_close(got, tree_attention_triton(q, k, v, P, mask)[:, :, perm], torch.float32)
 
 
 def test_bad_arguments_raise():
     q, k, v = _inputs(1, 4, 2, 3, 64, 10, torch.float32, seed=7)
-    mask = torch.ones(3, 3, dtype=torch.bool)
+    mask = torch.ones(3, 3, dtype=torch.bool, device=DEVICE)
     with pytest.raises(ValueError, match="head dim 80"):
         tree_attention_triton(*_inputs(1, 4, 2, 3, 80, 10, torch.float32, seed=7), 2, mask)
     with pytest.raises(ValueError, match="mask must be bool"):
@@ -152,8 +154,9 @@ def tiny_net():
                       tie_word_embeddings=False)
     net = Transformer(cfg).eval()
     for layer in net.layers:
-        layer.attention.wqkv.bias.data.normal_(0.0, 0.1)
-    net.setup_cache(64)
+        layer.attention.wqkv.bias.data.normal_(0.0, 0.1)   # drawn on CPU, then moved: same weights everywhere
+    net.to(DEVICE)
+    net.setup_cache(64)                                     # the cache on the weights' device
     return net
 
 
@@ -163,22 +166,23 @@ def _decode_steps(net, backend):
     net.attention_backend = backend
     net.kv.zero_()
     g = torch.Generator().manual_seed(8)
-    tokens = torch.randint(0, 97, (1, 40), generator=g)
-    tree = random_tree(9, seed=8, vocab=97)
+    tokens = on_device(torch.randint(0, 97, (1, 40), generator=g))
+    tree = random_tree(9, seed=8, vocab=97, device=DEVICE)
     with torch.inference_mode():
-        out = {"prefill": net(tokens[:, :20], torch.arange(20), 0),
-               "decode": net(tokens[:, 20:21], torch.tensor([20]), 20)}
+        out = {"prefill": net(tokens[:, :20], torch.arange(20, device=DEVICE), 0),
+               "decode": net(tokens[:, 20:21], torch.tensor([20], device=DEVICE), 20)}
         tree_mask = tree.attn_mask()
         out["tree"] = net(tree.tokens[None], tree.positions(21), 21, attn_mask=tree_mask, mask_prefix=21)
-        full = torch.cat([torch.ones(9, 21, dtype=torch.bool), tree_mask], dim=1)
+        full = torch.cat([torch.ones(9, 21, dtype=torch.bool, device=DEVICE), tree_mask], dim=1)
         out["tree-full-mask"] = net(tree.tokens[None], tree.positions(21), 21, attn_mask=full)
         # 3 frontier nodes at slots 30..32 whose parents sit at scratch slots 22, 24, 24; the root
         # (slot 21) joins the prefix, so mask column j is slot 22 + j.
-        scratch = torch.zeros(3, 11, dtype=torch.bool)
+        scratch = torch.zeros(3, 11, dtype=torch.bool, device=DEVICE)
         scratch[0, [0, 8]] = True
         scratch[1, [2, 9]] = True
         scratch[2, [2, 10]] = True
-        out["frontier"] = net(tokens[:, 30:33], torch.full((3,), 23), 30, attn_mask=scratch, mask_prefix=22)
+        out["frontier"] = net(tokens[:, 30:33], torch.full((3,), 23, device=DEVICE), 30, attn_mask=scratch,
+                              mask_prefix=22)
     return out
 
 
@@ -197,5 +201,5 @@ def test_model_rejects_bad_backend_and_mask_shape(tiny_net):
     with pytest.raises(ValueError, match="unknown attention backend"):
         tiny_net.attention_backend = "cuda"
     with pytest.raises(ValueError, match=r"attn_mask must be \[T, start \+ T - mask_prefix\]"):
-        tiny_net(torch.zeros(1, 2, dtype=torch.long), torch.arange(2), 5,
-                 attn_mask=torch.ones(2, 7, dtype=torch.bool), mask_prefix=5)
+        tiny_net(torch.zeros(1, 2, dtype=torch.long, device=DEVICE), torch.arange(2, device=DEVICE), 5,
+                 attn_mask=torch.ones(2, 7, dtype=torch.bool, device=DEVICE), mask_prefix=5)

@@ -1,0 +1,133 @@
+"""The op benchmark cases, shared by the pytest-benchmark suite and bench/gpu_check.py.
+
+A case is (op name, shape label, a function that builds the arguments on a device). Shapes are
+those of real decode steps: Qwen2.5-1.5B (vocab 151,936, 12 query / 2 kv heads of dim 128, 28
+layers), budget N = 16 (default) and 64, top-K = 4, the 80-node retrieval template with k = 8.
+Arguments are built from seeded CPU generators, then moved, so every machine times the same data.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from graft_tk.reference.retrieval import default_template, new_adjacency, retrieve
+from graft_tk.tree import PROMPT_LOOKUP, RETRIEVAL, Tree
+
+VOCAB = 151936
+K = 4
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str                      # module name in graft_tk.kernels / graft_tk.reference
+    fn: str                      # function name, the same in both
+    label: str                   # shape, for the table
+    build: Callable              # device -> (args tuple); fresh for every backend (ops may write in place)
+    quick: bool = True           # part of the small set (--quick, CPU dry runs)
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def branchy_tree(n: int, device) -> Tree:
+    """n nodes, two children per node (a balanced binary tree)."""
+    return Tree.from_lists(list(range(100, 100 + n)), [-1] + [(i - 1) // 2 for i in range(1, n)], device=device)
+
+
+def filled_adjacency(vocab: int, device, k: int = 8) -> torch.Tensor:
+    """A fully written M, so retrieval walks every template node (the worst case)."""
+    adj = new_adjacency(vocab, k)
+    adj.copy_(torch.randint(0, vocab, adj.shape, generator=_gen(), dtype=torch.int32))
+    return adj.to(device)
+
+
+def _draft_expand(frontier: int, vocab: int):
+    def build(device):
+        logits = torch.randn(frontier, vocab, generator=_gen()).to(device)
+        scores = (-torch.rand(frontier, generator=_gen(1))).to(device) if frontier > 1 else torch.zeros(1, device=device)
+        return scores, logits, K, math.log(0.1)
+    return build
+
+
+def _retrieve(vocab: int):
+    def build(device):
+        return filled_adjacency(vocab, device), torch.tensor(7, device=device), default_template(8).to(device)
+    return build
+
+
+def _build_tree(budget: int, vocab: int = VOCAB, depth: int = 6):
+    def build(device):
+        P = K + (depth - 1) * K * K
+        g = _gen()
+        tokens = torch.randint(vocab, (P,), generator=g)
+        parents = torch.cat([torch.full((K,), -1), torch.arange(P - K) // K]).long()   # K children per node
+        depths = torch.zeros(P, dtype=torch.long)
+        for i in range(P):
+            depths[i] = 1 if parents[i] < 0 else depths[parents[i]] + 1
+        scores = -depths.float() - torch.rand(P, generator=g)                         # deeper = lower
+        template = default_template(8)
+        cand = retrieve(filled_adjacency(vocab, "cpu"), torch.tensor(7), template)
+        L = 10
+        chain = torch.randint(vocab, (L,), generator=g)
+        tp = template.parents.long()
+        cand_parents = torch.cat([torch.arange(-1, L - 1), torch.where(tp < 0, -1, tp + L)]).to(torch.int32)
+        cand_source = torch.tensor([PROMPT_LOOKUP] * L + [RETRIEVAL] * template.n, dtype=torch.int8)
+        to = lambda t: t.to(device)  # noqa: E731
+        return (to(tokens), to(parents), to(scores), to(depths), P, to(torch.tensor(7)), math.log(0.05),
+                to(torch.cat([chain, cand])), to(cand_parents), to(cand_source), budget)
+    return build
+
+
+def _accept(nodes: int, vocab: int = VOCAB):
+    def build(device):
+        logits = torch.randn(nodes, vocab, generator=_gen()).to(device)
+        return branchy_tree(nodes, device), logits, new_adjacency(vocab, 8, device), 0.0, 1.0
+    return build
+
+
+def _commit_kv(layers: int, heads: int, slots: int, head_dim: int, n: int, dtype):
+    def build(device):
+        kv = torch.randn(layers, 2, 1, heads, slots, head_dim, generator=_gen()).to(dtype).to(device)
+        start = slots - 64
+        src = start + torch.arange(n) * 2                 # every other tree slot: an overlapping move
+        return kv, src.to(device), start
+    return build
+
+
+def _tree_attention(T: int, prefix: int, dtype, hq: int = 12, hkv: int = 2, d: int = 128):
+    def build(device):
+        g = _gen()
+        q = torch.randn(1, hq, T, d, generator=g).to(dtype).to(device)
+        k = torch.randn(1, hkv, prefix + T, d, generator=g).to(dtype).to(device)
+        v = torch.randn(1, hkv, prefix + T, d, generator=g).to(dtype).to(device)
+        mask = branchy_tree(T, "cpu").attn_mask().to(device)
+        return q, k, v, prefix, mask
+    return build
+
+
+CASES = [
+    Case("draft_expand", "draft_expand", f"F=1 V={VOCAB} K={K}", _draft_expand(1, VOCAB)),
+    Case("draft_expand", "draft_expand", f"F=4 V={VOCAB} K={K}", _draft_expand(K, VOCAB), quick=False),
+    Case("retrieval", "retrieve", "80-node template, k=8", _retrieve(VOCAB)),
+    Case("graft_merge", "build_tree", "P=84 C=90 N=16", _build_tree(16)),
+    Case("graft_merge", "build_tree", "P=84 C=90 N=64", _build_tree(64), quick=False),
+    Case("accept", "accept", f"greedy N=16 V={VOCAB}", _accept(16)),
+    Case("accept", "accept", f"greedy N=64 V={VOCAB}", _accept(64), quick=False),
+    Case("kv_commit", "commit_kv", "28 layers, 2x128, n=6, bf16", _commit_kv(28, 2, 4096, 128, 6, torch.bfloat16)),
+    Case("tree_attention", "tree_attention", "T=16 prefix=1024 12:2 d128 bf16", _tree_attention(16, 1024, torch.bfloat16)),
+    Case("tree_attention", "tree_attention", "T=64 prefix=4096 12:2 d128 bf16",
+         _tree_attention(64, 4096, torch.bfloat16), quick=False),
+    Case("tree_attention", "tree_attention", "T=1 prefix=4096 12:2 d128 bf16",
+         _tree_attention(1, 4096, torch.bfloat16), quick=False),
+]
+
+
+def implementation(case: Case, backend: str):
+    """The reference op ("torch") or the Triton kernel ("triton") of a case."""
+    import importlib
+    package = "graft_tk.kernels" if backend == "triton" else "graft_tk.reference"
+    return getattr(importlib.import_module(f"{package}.{case.op}"), case.fn)
