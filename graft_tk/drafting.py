@@ -41,6 +41,12 @@ class DraftPool:
         z = torch.zeros(0, dtype=torch.long, device=device)
         return cls(z, z, torch.zeros(0, device=device), z, 0, z, -1, 0)
 
+    def slots_of(self, pool_index: Tensor) -> Tensor:
+        """Drafter cache slot of each tree node (``build_tree``'s pool_index; -1: not drafted or never run)."""
+        if self.slots.shape[0] == 0:
+            return torch.full_like(pool_index, -1)
+        return self.slots[pool_index.clamp(min=0)].masked_fill(pool_index < 0, -1)
+
 
 def draft_pool(drafter: Model, kv_len: int, pending: list[int], cfg: GraftConfig, log_tau: float,
                ops: Ops) -> DraftPool:

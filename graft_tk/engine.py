@@ -126,8 +126,7 @@ class Engine:
             path, n_path, bonus = ops.accept(tree, logits, self.adjacency, temperature, top_p, uniforms)
             m = int(n_path)                        # sync: how many tokens advance
             path = path[:m]
-            node_slots = (pool.slots[built.pool_index[:tree.n].clamp(min=0)].masked_fill(built.pool_index[:tree.n] < 0, -1)
-                          if use_drafter else torch.full((tree.n,), -1, device=device))
+            node_slots = pool.slots_of(built.pool_index[:tree.n])
             host = torch.cat([path, tree.tokens[path[1:]], bonus.view(1), node_slots[path]]).tolist()  # one copy
             path_list, new, path_slots = host[:m], host[m:2 * m], host[2 * m:]
             # EOS inside the path and the max_new_tokens limit truncate what is committed.
@@ -150,11 +149,8 @@ class Engine:
                 ops.commit_kv(tnet.kv, target_len + path, target_len)
                 target_len += m
                 if use_drafter:
-                    keep = []
-                    for slot in path_slots[1:]:
-                        if slot < 0:
-                            break
-                        keep.append(slot)
+                    ran = [slot >= 0 for slot in path_slots[1:]] + [False]
+                    keep = path_slots[1:1 + ran.index(False)]
                     if keep:
                         ops.commit_kv(self.drafter.net.kv, torch.tensor(keep, device=device), drafter_len)
                     drafter_len += len(keep)

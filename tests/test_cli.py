@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def run(*args, stdin=None):
@@ -31,8 +32,16 @@ def test_generate_unknown_model_exits_2_with_the_list():
     assert "unknown model 'nope'" in r.stderr and "smollm2-135m" in r.stderr
 
 
-@pytest.mark.parametrize("tool", ["autotune"])
-def test_unbuilt_tools_say_so(tool):
-    r = subprocess.run([sys.executable, "-c", f"from graft_tk.cli.stubs import {tool}; {tool}()"],
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and "not built yet" in r.stderr
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_autotune_tune_without_gpu_exits_2(tmp_path):
+    r = run("graft_tk.cli.autotune", "--cache", str(tmp_path / "c.json"), "tune")
+    assert r.returncode == 2
+    assert "graft-autotune tune needs a CUDA GPU" in r.stderr and not (tmp_path / "c.json").exists()
+
+
+def test_autotune_show_and_export_of_an_empty_cache(tmp_path):
+    cache = str(tmp_path / "c.json")
+    r = run("graft_tk.cli.autotune", "--cache", cache, "show")
+    assert r.returncode == 0 and r.stdout.startswith(f"{cache}: 0 entries"), r.stderr
+    r = run("graft_tk.cli.autotune", "--cache", cache, "export", str(tmp_path / "out.json"))
+    assert r.returncode == 2 and "nothing to export" in r.stderr

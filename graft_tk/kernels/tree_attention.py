@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..autotune import select
 from ..reference.tree_attention import check_tree_attention_args
 from ._common import interpreted, launch, next_pow2
 
@@ -118,7 +119,8 @@ def _tree_attention_kernel(
 def block_sizes(rows: int, head_dim: int) -> dict:
     """Heuristic tile sizes for ``rows = (Hq // Hkv) * T`` flattened query rows.
 
-    The one place an autotuner plugs in: it returns the kernel's meta-parameters. BLOCK_M covers
+    Used on CPU / under the interpreter, and on a GPU whose shape bucket has no tuned config
+    (graft-autotune; candidates in ``graft_tk.autotune.tree_attention``). BLOCK_M covers
     the rows of a decode step or a tree verify (<= 64 nodes x group) in one program, 16 at least
     (tl.dot's minimum); BLOCK_N = 64 keys per tile, 32 at head_dim 256 to bound the K/V tiles'
     registers (2 x 32 x 256 fp16 = 32 KB).
@@ -126,6 +128,20 @@ def block_sizes(rows: int, head_dim: int) -> dict:
     block_m = min(max(next_pow2(rows), 16), 64)
     block_n = 32 if head_dim >= 256 else 64
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m * head_dim <= 64 * 64 else 8, num_stages=2)
+
+
+def shape_bucket(rows: int, head_dim: int, kv_len: int, dtype: torch.dtype | str) -> str:
+    """The autotune cache's shape bucket: rows rounded up to a power of two in [16, 1024] (BLOCK_M <= 128
+    leaves nothing to tune past that), kv_len to a power of two in [256, 65536], head dim and dtype exact.
+
+    rows 54, head dim 128, kv_len 1000, bf16 -> "rows=64,head_dim=128,kv_len=1024,dtype=bfloat16".
+    ``block_sizes`` gives the same tiles for every rows value in a bucket.
+    """
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim} is not supported by the Triton tree attention; supported: {HEAD_DIMS}")
+    rows_b = min(max(next_pow2(rows), 16), 1024)
+    kv_b = min(max(next_pow2(kv_len), 256), 65536)
+    return f"rows={rows_b},head_dim={head_dim},kv_len={kv_b},dtype={str(dtype).removeprefix('torch.')}"
 
 
 def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tensor,
@@ -140,19 +156,29 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tenso
     B, Hq, T, D = q.shape
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim {D} is not supported by the Triton tree attention; supported: {HEAD_DIMS}")
-    Hkv = k.shape[1]
-    group = Hq // Hkv
-    kv_len = prefix_len + mask.shape[1]
+    rows = Hq // k.shape[1] * T
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
 
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
+    meta = block_sizes(rows, D)
+    if not interpreted():  # on a GPU: this GPU's tuned tiles for the shape bucket, if any (graft-autotune)
+        meta = select("tree_attention", shape_bucket(rows, D, prefix_len + mask.shape[1], q.dtype), meta, q.device)
+    _launch(q, k, v, prefix_len, mask, scale, out, meta)
+    return out
+
+
+def _launch(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tensor, scale: float, out: Tensor,
+            meta: dict) -> None:
+    """One launch of the kernel with tile sizes ``meta`` (checked arguments; the autotuner times this)."""
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    group = Hq // Hkv
+    kv_len = prefix_len + mask.shape[1]
     mask_u8 = mask.view(torch.uint8)  # same bytes; a uint8 pointer is loaded the same on GPU and interpreter
-    meta = block_sizes(group * T, D)
     if interpreted():
-        meta.pop("num_warps")
-        meta.pop("num_stages")
+        meta = {name: value for name, value in meta.items() if name not in ("num_warps", "num_stages")}
     grid = (triton.cdiv(group * T, meta["BLOCK_M"]), Hkv, B)
     launch(_tree_attention_kernel, grid,
            q, k, v, mask_u8, out,
@@ -160,4 +186,3 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tenso
            *q.stride(), *k.stride(), *v.stride(), *mask_u8.stride(), *out.stride(),
            HEAD_DIM=D, DOT_FP32=interpreted() and q.dtype == torch.bfloat16,
            PRECISION="ieee" if q.dtype == torch.float32 else None, **meta)  # None: the target's default
-    return out

@@ -1,0 +1,81 @@
+"""Tree attention as a tunable kernel: candidate tiles, the representative input of a bucket, the timer.
+
+The launcher (``graft_tk.kernels.tree_attention``) asks ``select`` for its bucket; this module is
+imported only when tuning or listing (``graft-autotune``), never on the CPU path.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from graft_tk.kernels.tree_attention import _launch, _tree_attention_kernel, block_sizes, shape_bucket
+
+from .tuner import Tunable, parse_bucket
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+KV_HEADS = 4   # representative input: 4 kv heads x B = 1, as in 1.5B-8B models (2-8 kv heads)
+
+
+def bucket(rows: int, head_dim: int, kv_len: int, dtype: str = "bfloat16") -> str:
+    """Shape keywords (``--shapes rows=54,head_dim=128,kv_len=1000``) -> the cache's bucket."""
+    if str(dtype).removeprefix("torch.") not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return shape_bucket(int(rows), int(head_dim), int(kv_len), str(dtype).removeprefix("torch."))
+
+
+def configs(bucket: str) -> list[dict]:
+    """BLOCK_M up to the bucket's rows (larger tiles would be padding), BLOCK_N 32-128, 4 or 8 warps,
+    2 or 3 stages: 12 configs at rows 16, 36 at 64, 48 from 128. At head dim 256 BLOCK_M x BLOCK_N
+    stays <= 64 x 64: a 128-key K or V tile is 64 KB in bf16, and 3 stages of both pass the 228 KB
+    of shared memory of an H100."""
+    b = parse_bucket(bucket)
+    out = []
+    for block_m in (16, 32, 64, 128):
+        if block_m > max(b["rows"], 16):
+            continue
+        for block_n in (32, 64, 128):
+            if b["head_dim"] >= 256 and block_m * block_n > 64 * 64:
+                continue
+            for num_warps in (4, 8):
+                for num_stages in (2, 3):
+                    out.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages))
+    return out
+
+
+def heuristic(bucket: str) -> dict:
+    b = parse_bucket(bucket)
+    return block_sizes(b["rows"], b["head_dim"])
+
+
+def inputs(bucket: str, device: torch.device | str = "cuda") -> tuple:
+    """(q, k, v, prefix_len, mask, scale) of the bucket's largest shape: T = min(rows, 64) tree nodes in a
+    causal (chain) mask, the rest of the rows as the GQA group, kv_len filling the bucket."""
+    b = parse_bucket(bucket)
+    rows, d, kv_len, dtype = b["rows"], b["head_dim"], b["kv_len"], DTYPES[b["dtype"]]
+    t = min(rows, 64)
+    group = rows // t
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, KV_HEADS * group, t, d, generator=g).to(device=device, dtype=dtype)
+    k = torch.randn(1, KV_HEADS, kv_len, d, generator=g).to(device=device, dtype=dtype)
+    v = torch.randn(1, KV_HEADS, kv_len, d, generator=g).to(device=device, dtype=dtype)
+    mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    return q, k, v, kv_len - t, mask, 1.0 / math.sqrt(d)
+
+
+def benchmark(bucket: str, config: dict) -> float:
+    """Milliseconds per launch on the current GPU (triton.testing.do_bench: median after warm-up)."""
+    import triton.testing
+    q, k, v, prefix_len, mask, scale = inputs(bucket)
+    out = torch.empty_like(q)
+    return triton.testing.do_bench(lambda: _launch(q, k, v, prefix_len, mask, scale, out, config),
+                                   warmup=10, rep=40)
+
+
+TUNABLE = Tunable(
+    name="tree_attention", kernel=_tree_attention_kernel, bucket=bucket, configs=configs, heuristic=heuristic,
+    benchmark=benchmark,
+    # decode / tree verify (16 and 64 rows) at head dims 64 and 128, short to long contexts, bf16: 12 buckets
+    shapes=tuple(dict(rows=r, head_dim=d, kv_len=n, dtype="bfloat16")
+                 for r in (16, 64) for d in (64, 128) for n in (1024, 4096, 16384)),
+)
