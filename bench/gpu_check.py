@@ -117,6 +117,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sys.path[:0] = [str(HERE), str(ROOT / "tests")]
     import torch
+
+    import graft_tk  # noqa: F401  (before anything imports triton: the interpreter switch on CPU)
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
         print("gpu_check: no CUDA device here; run it on a GPU machine (or --dry-run to check the script on CPU)",

@@ -1,4 +1,5 @@
 """graft_tk: lossless speculative decoding with hybrid (drafted + retrieved) token trees."""
+from . import kernels as _kernels  # noqa: F401  first: without CUDA it switches Triton to its interpreter
 from .decode import DecodeResult, decode
 from .errors import GraftError
 from .models import Model, load_model

@@ -4,8 +4,6 @@ Greedy: token-identical to `ar` in fp32 on real prompts with real SmolLM2 weight
 the target's first layers). Sampling: the committed tokens follow the target's own distribution
 (chi-square against exact probabilities on a tiny random model), and a seed reproduces a run.
 """
-import itertools
-import math
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from graft_tk.reference.retrieval import new_adjacency
 from graft_tk.sampling import target_probs
 from graft_tk.tree import Tree
 
+from .chi2 import chi2, chi2_critical
 from .conftest import real_prompts
 
 SPECULATIVE = ["tree", "pruned", "retrieval", "graft", "pld"]
@@ -105,20 +104,6 @@ def test_drafter_methods_need_a_drafter(smollm2):
 
 # ---------------------------------------------------------------- sampling is lossless
 
-def _chi2_critical(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile at p = 0.001 (z = 3.09)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    expected = probs * counts.sum()
-    keep = expected >= 5  # pool rare outcomes so the statistic is valid
-    obs = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)])
-    exp = torch.cat([expected[keep], expected[~keep].sum(0, keepdim=True)])
-    nz = exp > 0
-    return float(((obs[nz] - exp[nz]) ** 2 / exp[nz]).sum()), int(nz.sum()) - 1
-
-
 def test_sampling_accept_follows_the_target_distribution():
     """Root with 3 candidate children (one with its own child): token 1 ~ p_root, token 2 ~ p_child."""
     g = torch.Generator().manual_seed(0)
@@ -133,8 +118,8 @@ def test_sampling_accept_follows_the_target_distribution():
         if seq[0] == 2:                   # node 1 was accepted: the next token comes from node 1's p
             counts2[seq[1]] += 1
     for counts, node in ((counts1, 0), (counts2, 1)):
-        stat, df = _chi2(counts, target_probs(logits[node], 1.0, 1.0))
-        assert stat < _chi2_critical(df), (node, stat, df)
+        stat, df = chi2(counts, target_probs(logits[node], 1.0, 1.0))
+        assert stat < chi2_critical(df), (node, stat, df)
 
 
 def test_greedy_accept_follows_argmax():
@@ -181,8 +166,8 @@ def test_graft_sampling_matches_exact_target_distribution():
         r = graft_tk.decode(target, prompt, method="graft", engine=engine, max_new_tokens=2,
                             temperature=1.0, seed=i)
         counts[r.tokens[0] * 5 + r.tokens[1]] += 1
-    stat, df = _chi2(counts, exact.flatten())
-    assert stat < _chi2_critical(df), (stat, df)
+    stat, df = chi2(counts, exact.flatten())
+    assert stat < chi2_critical(df), (stat, df)
 
 
 def test_sampling_with_a_seed_is_reproducible(smollm2, self_drafter):

@@ -10,11 +10,11 @@ logits row is continuous random (no ties) and the tie test checks M against the 
 Inputs are drawn on CPU with seeded generators (the same values on every machine) and moved to
 DEVICE (CUDA: compiled kernels; CPU: Triton's interpreter); kernel and reference share them.
 """
-import math
 
 import pytest
 import torch
 
+from tests.chi2 import chi2, chi2_critical
 from tests.kernel_utils import DEVICE, on_device, random_tree
 from graft_tk.backend import LAUNCHES
 from graft_tk.kernels.accept import accept as accept_kernel
@@ -234,20 +234,6 @@ def test_bad_input_is_a_clear_error():
 
 # ---------------------------------------------------------------- the reference is lossless
 
-def _chi2_critical(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile at p = 0.001 (z = 3.09)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    expected = probs * counts.sum()
-    keep = expected >= 5  # pool rare outcomes so the statistic is valid
-    obs = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)])
-    exp = torch.cat([expected[keep], expected[~keep].sum(0, keepdim=True)])
-    nz = exp > 0
-    return float(((obs[nz] - exp[nz]) ** 2 / exp[nz]).sum()), int(nz.sum()) - 1
-
-
 @pytest.fixture
 def one_thread():
     """5000 calls on [5, 6] tensors: with 2 OpenMP threads on a loaded 2-core machine one tiny
@@ -278,5 +264,5 @@ def test_reference_sampling_is_lossless(top_p, one_thread):
         if seq[0] == 2:                 # node 1 accepted: the next token comes from node 1's p
             counts2[seq[1]] += 1
     for counts, node in ((counts1, 0), (counts2, 1)):
-        stat, df = _chi2(counts, target_probs(logits[node], 1.0, top_p))
-        assert stat < _chi2_critical(df), (node, stat, df)
+        stat, df = chi2(counts, target_probs(logits[node], 1.0, top_p))
+        assert stat < chi2_critical(df), (node, stat, df)

@@ -12,6 +12,7 @@ greedy, HF assisted generation (same drafter) and HF prompt lookup run in the sa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; exactness is checked)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every method")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per (prompt, method); the median is kept")
+    p.add_argument("--profile", action="store_true",
+                   help="start from the graft-calibrate profile of this model pair, device and dtype "
+                        "(default: GraftConfig's defaults); --budget/--tau/... still override")
     p.add_argument("--budget", type=int, default=None, help="N: tree nodes verified per step (GraftConfig)")
     p.add_argument("--tau", type=float, default=None, help="pruning threshold on drafter path probability")
     p.add_argument("--top-k", type=int, default=None, help="K: children per drafted node")
@@ -107,6 +111,15 @@ def _run(args) -> dict:
     drafter_spec = args.drafter if args.drafter is not None else bench.default_drafter(args.model)
     needs_drafter = any(m in config_mod.USES_DRAFTER for m in methods) or "hf_assisted" in anchors
     drafter = bench.load_drafter(drafter_spec, args.model, args.dtype, args.device) if needs_drafter else None
+    if args.profile:
+        from ..calibration.profiles import find_profile
+        profile = find_profile(target, drafter)
+        if profile is None:
+            raise InputError(f"--profile: no usable profile for {target.name} + "
+                             f"{drafter.name if drafter else 'no drafter'} here; run graft-calibrate --model "
+                             f"{args.model} first (graft-calibrate --show lists profiles)")
+        config = dataclasses.replace(profile.config, **overrides)
+        print(f"config from {profile.path}", file=sys.stderr)
     plan = bench.Plan(target, drafter, config, methods, prompts, args.max_new_tokens, args.temperature,
                       args.seed, args.repeats, HFAnchors(target, drafter, anchors) if anchors else None)
 

@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                    if args.method in USES_DRAFTER else None)
         overrides = {k: v for k, v in (("budget", args.budget), ("tau", args.tau), ("top_k", args.top_k),
                                        ("max_depth", args.max_depth)) if v is not None}
-        config = GraftConfig(**overrides)
+        # No flags: decode picks this pair's graft-calibrate profile, or the defaults.
+        config = GraftConfig(**overrides) if overrides else None
         streamer = None if args.json else _Streamer(target.tokenizer)
         result = decode(target, prompt, drafter=drafter, method=args.method, config=config,
                         max_new_tokens=args.max_new_tokens,
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     s = result.stats
     print(f"[{s['method']}] {s['tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_s']:.2f} tok/s, "
-          f"{s['steps']} steps, {s['mat']:.2f} tokens per target forward", file=sys.stderr)
+          f"{s['steps']} steps, {s['mat']:.2f} tokens per target forward; config: {s['config_source']}",
+          file=sys.stderr)
     return 0
 
 
