@@ -39,7 +39,7 @@ from .decode import decode, encode_prompt
 from .engine import Engine
 from .errors import InputError
 from .models import Model, load_model
-from .models.registry import REGISTRY
+from .models.registry import HF_ALIASES, HF_DRAFTERS, REGISTRY
 from .prompts import Prompt
 
 WARMUP_TOKENS = 8
@@ -57,9 +57,11 @@ def parse_methods(text: str) -> tuple[str, ...]:
 
 
 def default_drafter(model: str) -> str | None:
-    """The registry's paired drafter for ``model``, or None."""
+    """The drafter that pairs with ``model`` (registry models, and HF aliases like qwen3), or None."""
     entry = REGISTRY.get(model)
-    return entry.drafter if entry is not None else None
+    if entry is not None:
+        return entry.drafter
+    return HF_DRAFTERS.get(HF_ALIASES.get(model, model))
 
 
 def load_drafter(spec: str | None, model: str, dtype=None, device=None) -> Model | None:

@@ -32,14 +32,13 @@ class DraftPool:
     depth: Tensor       # int64 [P]
     n: int              # valid entries (a host count: F*K per depth, known without a sync)
     slots: Tensor       # int64 [P] drafter cache slot holding each entry's KV, -1 if never run
-    root_slot: int      # the root's drafter cache slot
     forwards: int       # drafter forward passes this step
 
     @classmethod
     def empty(cls, device) -> "DraftPool":
         """No drafter: retrieval-only methods graft onto the bare root."""
         z = torch.zeros(0, dtype=torch.long, device=device)
-        return cls(z, z, torch.zeros(0, device=device), z, 0, z, -1, 0)
+        return cls(z, z, torch.zeros(0, device=device), z, 0, z, 0)
 
     def slots_of(self, pool_index: Tensor) -> Tensor:
         """Drafter cache slot of each tree node (``build_tree``'s pool_index; -1: not drafted or never run)."""
@@ -99,4 +98,4 @@ def draft_pool(drafter: Model, kv_len: int, pending: list[int], cfg: GraftConfig
                      attn_mask=anc[new, :n_scratch + F], mask_prefix=root_slot + 1)[0]
         forwards += 1
         n_scratch += F
-    return DraftPool(tokens, parents, scores, depths, n, slots, root_slot, forwards)
+    return DraftPool(tokens, parents, scores, depths, n, slots, forwards)

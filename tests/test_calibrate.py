@@ -114,10 +114,12 @@ def test_unreachable_storage_is_a_clear_error(calib_env, smollm2, capsys):
     assert "cannot open Optuna storage 'sqlite:////nonexistent-dir/sub/studies.db'" in capsys.readouterr().err
 
 
-def test_unknown_model_fails_at_once_with_the_list(calib_env, capsys):
-    assert cli.main(["--model", "qwen3-missing"]) == 2
+def test_qwen3_without_a_local_copy_fails_at_once_with_the_list(calib_env, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hf-cache"))   # whatever this machine caches
+    assert cli.main(["--model", "qwen3"]) == 2
     err = capsys.readouterr().err
-    assert "unknown model 'qwen3-missing'" in err and "smollm2-135m" in err
+    assert "'qwen3' means Qwen/Qwen3-8B, which is not in the local Hugging Face cache" in err
+    assert "smollm2-135m" in err and "qwen2.5-coder-1.5b" in err
 
 
 def test_isotonic_fit_is_monotone_and_least_squares():

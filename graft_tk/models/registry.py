@@ -73,6 +73,8 @@ REGISTRY: dict[str, RegistryModel] = {
 
 # Short names for checkpoints that users keep in their local Hugging Face cache.
 HF_ALIASES = {"qwen3": "Qwen/Qwen3-8B", "qwen3-8b": "Qwen/Qwen3-8B", "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct"}
+# The small same-tokenizer drafter that pairs with each of those (also looked up in the HF cache).
+HF_DRAFTERS = {"Qwen/Qwen3-8B": "Qwen/Qwen3-0.6B", "meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Llama-3.2-1B-Instruct"}
 
 
 def sha256_file(path: Path, progress: bool = False) -> str:
