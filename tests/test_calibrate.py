@@ -156,3 +156,15 @@ def test_profile_lookup_is_silent_without_profiles(calib_env, smollm2, drafter10
         warnings.simplefilter("error")
         r = graft_tk.decode(smollm2, PROMPTS[0], drafter=drafter10, method="graft", max_new_tokens=2)
     assert r.stats["config_source"] == "default" and r.stats["config"]["tau"] == GraftConfig().tau
+
+
+def test_pareto_front_keeps_only_undominated_trials():
+    from graft_tk.calibration.search import pareto_front
+
+    class Trial:  # the two fields pareto_front reads from an optuna FrozenTrial
+        def __init__(self, speed, mat):
+            self.values, self.user_attrs = [speed], {"mat": mat}
+
+    trials = [Trial(10, 3), Trial(8, 5), Trial(9, 2), Trial(12, 1), Trial(8, 5)]
+    front = pareto_front(trials)   # (9, 2) is beaten by (10, 3); ties on both objectives both stay
+    assert [(t.values[0], t.user_attrs["mat"]) for t in front] == [(10, 3), (8, 5), (12, 1), (8, 5)]
