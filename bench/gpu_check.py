@@ -3,9 +3,10 @@
     python bench/gpu_check.py [--quick] [--json OUT.json]       # on a CUDA machine
     python bench/gpu_check.py --dry-run                         # CPU: checks this script (interpreter)
 
-1. The kernel tests, compiled: ``pytest tests/test_kernel_*.py tests/test_backends.py`` with
-   TRITON_INTERPRET unset, so every kernel is compiled for the GPU and compared with its
-   reference (the tests put their inputs on CUDA when it is present).
+1. The kernel tests, compiled: ``pytest tests/test_kernel_*.py tests/test_backends.py
+   tests/test_autotune.py bench/test_gpu_autotune.py`` with TRITON_INTERPRET unset, so every
+   kernel is compiled for the GPU and compared with its reference (the tests put their inputs on
+   CUDA when it is present), and the tree-attention tiles are really tuned once.
 2. Kernel benchmarks: each op of bench/cases.py, Triton vs torch reference on the same inputs,
    median time (``triton.testing.do_bench``), and whether the outputs agree.
 
@@ -28,7 +29,8 @@ ROOT = HERE.parent
 
 
 def run_tests(dry_run: bool) -> dict:
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_kernel_*.py")) + ["tests/test_backends.py"]
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_kernel_*.py"))
+    files += ["tests/test_backends.py", "tests/test_autotune.py", "bench/test_gpu_autotune.py"]
     env = dict(os.environ)
     if not dry_run:
         env.pop("TRITON_INTERPRET", None)     # compile for the GPU

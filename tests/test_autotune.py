@@ -295,11 +295,3 @@ def test_tree_attention_candidate_tiles_are_exact(config):
     _launch(q, k, v, prefix_len, mask, scale, out, config)
     atol, rtol = KERNEL_TOL[torch.float32]
     torch.testing.assert_close(out, tree_attention_torch(q, k, v, prefix_len, mask, scale), atol=atol, rtol=rtol)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU timing: needs CUDA")
-def test_gpu_tune_then_the_launcher_uses_the_tuned_config(cache_file):
-    bucket = "rows=16,head_dim=64,kv_len=1024,dtype=bfloat16"
-    entry = tuner.tune(ta_tunable.TUNABLE, bucket)
-    assert entry.config in ta_tunable.configs(bucket) and entry.time_ms > 0 and entry.heuristic_ms > 0
-    assert select("tree_attention", bucket, {"unused": 0}, torch.device("cuda")) == entry.config
