@@ -260,7 +260,8 @@ class Transformer(nn.Module):
                                   dtype=w.dtype, device=w.device)
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int, attn_mask: Tensor | None = None,
-                last_only: bool = False, mask_prefix: int | None = None) -> Tensor:
+                last_only: bool = False, mask_prefix: int | None = None,
+                hidden_layers: tuple[int, ...] | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Run new tokens against the cache and return logits (fp32).
 
         tokens:      [B, T] int64 token ids, written to cache slots [start, start + T)
@@ -271,7 +272,12 @@ class Transformer(nn.Module):
                      token and attn_mask is [T, start + T - mask_prefix] over the slots after
                      them; e.g. tree verify: mask_prefix=start, attn_mask=tree.attn_mask().
                      Same result; the Triton backend then reads no mask for the prefix keys.
-        returns      [B, T, V] float32
+        hidden_layers: also return the residual stream after these decoder layers (0-based, in
+                     this order), i.e. the target features an EAGLE-3 head fuses; the output of
+                     layer i before the final norm (HF's ``output_hidden_states[i + 1]``, except
+                     for the last layer, where HF's entry is after the norm).
+        returns      [B, T, V] float32, or with hidden_layers (logits, hidden), hidden
+                     [B, T, len(hidden_layers) * dim] in the model's dtype; last_only cuts both
         """
         T = tokens.shape[1]
         if self.kv is None or start + T > self.cache_len:
@@ -282,13 +288,21 @@ class Transformer(nn.Module):
             positions = positions[None].expand(tokens.shape[0], -1)
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, Dh/2]
         freqs = torch.cat((freqs, freqs), dim=-1)[:, None]     # [B, 1, T, Dh]
+        if hidden_layers is not None and not (hidden_layers and all(0 <= i < len(self.layers) for i in hidden_layers)):
+            raise InputError(f"hidden_layers must be layer indices in [0, {len(self.layers)}), got {hidden_layers}")
         x = self.tok_embeddings(tokens)
         cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+        taken: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, self.kv[i], start, mask)
+            if hidden_layers is not None and i in hidden_layers:
+                taken[i] = x[:, -1:] if last_only else x
         if last_only:
             x = x[:, -1:]
-        return F.linear(self.norm(x), self.lm_head_weight).float()
+        logits = F.linear(self.norm(x), self.lm_head_weight).float()
+        if hidden_layers is None:
+            return logits
+        return logits, torch.cat([taken[i] for i in hidden_layers], dim=-1)
 
     def commit_kv(self, src_slots: Tensor, dst_start: int) -> None:
         """Move the KV at ``src_slots`` [n] (all layers) into slots [dst_start, dst_start + n).
