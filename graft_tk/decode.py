@@ -13,6 +13,7 @@ from .config import METHODS, USES_DRAFTER, GraftConfig
 from .engine import Engine
 from .errors import InputError
 from .models import Model
+from .models.eagle3 import Eagle3Head
 from .sampling import check_sampling_args, next_token
 
 
@@ -42,7 +43,7 @@ def encode_prompt(model: Model, prompt: str | Sequence[int] | torch.Tensor, chat
     return ids
 
 
-def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter: Model | None = None,
+def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter: Model | Eagle3Head | None = None,
            method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
            seed: int | None = None, chat: bool = True, config: GraftConfig | None = None,
            engine: Engine | None = None, on_tokens: Callable[[list[int]], None] | None = None,
@@ -53,7 +54,8 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
         "tree" (drafter only, fixed depth), "pruned" (drafter, dynamic depth), "retrieval"
         (adjacency matrix only), "graft" (pruned drafter tree + prompt lookup + retrieval in the
         freed budget), "pld" (prompt lookup only).
-    drafter: a Model with the target's tokenizer (e.g. load_model(name, num_layers=L)).
+    drafter: a Model with the target's tokenizer (e.g. load_model(name, num_layers=L)), or an
+        EAGLE-3 head for this target (``load_eagle3(path, target)``), drafting from the target's features.
     config: GraftConfig (N, tau, K, D, retrieval k and template). Default: the profile that
         graft-calibrate wrote for this (target, drafter, device, dtype) when there is a usable one,
         else GraftConfig(). ``stats["config_source"]`` says which.
@@ -75,13 +77,12 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
                              f"Engine(..., backend={backend!r}) or leave backend='auto'")
         drafter, config = engine.drafter, engine.config
     backend = resolve_backend(backend, target.device)
+    check_drafter(target, drafter)
     config, config_source = _resolve_config(target, drafter, method, config, engine)
     if method in USES_DRAFTER and drafter is None:
         raise InputError(f"method {method!r} needs a drafter: pass drafter=load_model(...) (a small model with the "
-                         "same tokenizer, or the target's first layers via num_layers=L)")
-    if drafter is not None and drafter.config.vocab_size != target.config.vocab_size:
-        raise InputError(f"drafter {drafter.name} has vocab {drafter.config.vocab_size}, target {target.name} has "
-                         f"{target.config.vocab_size}; the drafter must share the target's tokenizer")
+                         "same tokenizer, or the target's first layers via num_layers=L) or an EAGLE-3 head "
+                         "(load_eagle3(path, target))")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     check_sampling_args(temperature, top_p)
@@ -107,7 +108,34 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
     return DecodeResult(tokens=tokens, text=target.tokenizer.decode(tokens), stats=stats)
 
 
-def _resolve_config(target: Model, drafter: Model | None, method: str, config: GraftConfig | None,
+def check_drafter(target: Model, drafter) -> None:
+    """A drafter must be a Model sharing the target's tokenizer, or an EAGLE-3 head built for this target."""
+    if drafter is None:
+        return
+    if isinstance(drafter, Eagle3Head):
+        c = drafter.config
+        problems = []
+        if c.vocab_size != target.config.vocab_size:
+            problems.append(f"vocab {c.vocab_size} vs the target's {target.config.vocab_size}")
+        if c.target_hidden_size != target.config.dim:
+            problems.append(f"target hidden size {c.target_hidden_size} vs the target's {target.config.dim}")
+        if not all(0 <= i < target.config.n_layers for i in c.target_layers):
+            problems.append(f"target layers {c.target_layers} vs the target's {target.config.n_layers} layers")
+        if drafter.lm_head.weight.device != target.device:
+            problems.append(f"device {drafter.lm_head.weight.device} vs the target's {target.device}")
+        if problems:
+            raise InputError(f"the EAGLE-3 head was not built for {target.name}: {'; '.join(problems)}; "
+                             "load a head trained for this target (load_eagle3(path, target))")
+        return
+    if not isinstance(drafter, Model):
+        raise InputError(f"drafter must be a Model (load_model) or an EAGLE-3 head (load_eagle3), "
+                         f"got {type(drafter).__name__}")
+    if drafter.config.vocab_size != target.config.vocab_size:
+        raise InputError(f"drafter {drafter.name} has vocab {drafter.config.vocab_size}, target {target.name} has "
+                         f"{target.config.vocab_size}; the drafter must share the target's tokenizer")
+
+
+def _resolve_config(target: Model, drafter: Model | Eagle3Head | None, method: str, config: GraftConfig | None,
                     engine: Engine | None) -> tuple[GraftConfig | None, str]:
     """(config, where it came from): the engine's, the caller's, a calibration profile, or the default."""
     if method == "ar":
@@ -116,6 +144,8 @@ def _resolve_config(target: Model, drafter: Model | None, method: str, config: G
         return config, "engine"
     if config is not None:
         return config, "explicit"
+    if method in USES_DRAFTER and isinstance(drafter, Eagle3Head):
+        return GraftConfig(), "default (no calibration profiles for EAGLE-3 heads yet)"
     from .calibration.profiles import find_profile  # json only; warns on a stale or corrupt profile
     profile = find_profile(target, drafter if method in USES_DRAFTER else None)
     if profile is not None:

@@ -1,25 +1,36 @@
-"""Drafting a token tree with a small drafter model (EAGLE-2 style expansion, dynamic depth).
+"""Drafting a token tree: EAGLE-2 style expansion with dynamic depth, behind a small interface.
 
-The drafter keeps its own KV cache. Its first ``kv_len`` slots hold committed tokens; the
-committed tokens it has not seen yet (``pending``, the root last) are run in the step's first
-forward, which also gives the root's next-token distribution. Each further depth runs ONE
-forward over the whole frontier (K nodes) with a tree mask, never one per node. Draft nodes use
-scratch slots after the committed prefix; after acceptance the engine moves the KV of accepted
-draft nodes into place so the drafter never recomputes them.
+The engine talks to a ``Drafter``: ``start`` (after the target's prefill), ``draft`` (one step's
+candidate pool) and ``commit`` (after acceptance). Two implementations share the expansion loop
+(``expand``), which runs ONE drafter forward per depth over the whole frontier (K nodes) with a
+tree mask over scratch cache slots, never one per node:
 
-``draft_pool`` returns every candidate it created (the *pool*); choosing which of them enter the
-tree (tau, best N-1, grafting retrieval) is ``build_tree``'s job, in one op.
+* ``ModelDrafter``: a small model with the target's tokenizer. It keeps its own KV cache; its
+  first ``kv_len`` slots hold committed tokens, the committed tokens it has not seen yet (the root
+  last) run in the step's first forward, which also gives the root's next-token distribution.
+  After acceptance the KV of accepted draft nodes is moved into place, never recomputed.
+* ``Eagle3Drafter``: an EAGLE-3 head over the target's fused features (``target_layers``, which
+  the engine requests in its prefill and verify forwards). Head entry j pairs the target features
+  of committed token x_j with the token x_{j+1} and predicts x_{j+2}; draft nodes feed their
+  parent entry's own ``hidden`` instead (EAGLE's test-time behaviour). After acceptance the head
+  must see the TARGET features of the accepted path, so ``commit`` keeps those rows and the next
+  step's first forward re-runs the accepted tokens (the draft entries' KV is discarded).
+
+``draft`` returns every candidate it created (the *pool*); choosing which of them enter the tree
+(tau, best N-1, grafting retrieval) is ``build_tree``'s job, in one op.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .config import GraftConfig
 from .models import Model
+from .models.eagle3 import Eagle3Head
 from .ops import Ops
 
 
@@ -47,20 +58,37 @@ class DraftPool:
         return self.slots[pool_index.clamp(min=0)].masked_fill(pool_index < 0, -1)
 
 
-def draft_pool(drafter: Model, kv_len: int, pending: list[int], cfg: GraftConfig, log_tau: float,
-               ops: Ops) -> DraftPool:
-    """Expand from the root (``pending[-1]``) up to ``cfg.max_depth`` depths.
+class Drafter(Protocol):
+    """What the engine needs from a drafter (see the module docstring)."""
+    net: nn.Module                          # the network whose attention backend the engine sets
+    target_layers: tuple[int, ...] | None   # target features to request in prefill / verify (None: none)
 
+    def start(self, n_prompt: int, max_len: int, features: Tensor | None) -> None:
+        """A new request: the prompt's n tokens were prefilled (``features`` [n, F] when asked for)."""
+
+    def draft(self, committed: list[int], cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
+        """The candidate pool under the root ``committed[-1]``."""
+
+    def commit(self, path: Tensor, path_slots: list[int], features: Tensor | None, ops: Ops) -> None:
+        """After acceptance: ``path`` [m] tree nodes accepted (root first), ``path_slots`` their
+        drafter cache slots (-1: not drafted / never run), ``features`` [N, F] the verify forward's."""
+
+
+# Runs one depth's frontier: (tokens [F], parent_rows [F] = each node's parent's row in the previous
+# forward's logits, positions [F], start, attn_mask, mask_prefix) -> logits [F, V].
+FrontierForward = Callable[[Tensor, Tensor, Tensor, int, Tensor, int], Tensor]
+
+
+def expand(logits: Tensor, forward: FrontierForward, root_slot: int, cfg: GraftConfig, log_tau: float,
+           ops: Ops) -> DraftPool:
+    """Expand from the root (``logits`` [1, V], its next-token logits) up to ``cfg.max_depth`` depths.
+
+    The root's KV is in cache slot ``root_slot``; each depth's frontier gets scratch slots after it.
     Expansion stops early once every new child scores below ``log_tau`` (scores only fall with
     depth, so nothing deeper could pass); ``log_tau = -inf`` drafts the full depth D (``tree``).
     """
-    net, device, K, D = drafter.net, drafter.device, cfg.top_k, cfg.max_depth
-    P = len(pending)
-    root_slot = kv_len + P - 1          # the root's KV lands here; scratch slots follow it
-    logits = net(torch.tensor([pending], device=device), torch.arange(kv_len, kv_len + P, device=device),
-                 kv_len, last_only=True)[0]                                   # [1, V]
-    forwards = 1
-
+    device, K, D = logits.device, cfg.top_k, cfg.max_depth
+    forwards = 1                          # the forward that produced the root's logits
     pool_max = K + (D - 1) * K * K
     tokens = torch.zeros(pool_max, dtype=torch.long, device=device)
     parents = torch.full((pool_max,), -1, dtype=torch.long, device=device)
@@ -94,8 +122,104 @@ def draft_pool(drafter: Model, kv_len: int, pending: list[int], cfg: GraftConfig
         rows[torch.arange(F, device=device), new] = True
         anc[new] = rows
         positions = torch.full((F,), root_slot + depth, dtype=torch.long, device=device)
-        logits = net(tokens[frontier][None], positions, root_slot + 1 + n_scratch,
-                     attn_mask=anc[new, :n_scratch + F], mask_prefix=root_slot + 1)[0]
+        logits = forward(tokens[frontier], child_par[nxt], positions, root_slot + 1 + n_scratch,
+                         anc[new, :n_scratch + F], root_slot + 1)
         forwards += 1
         n_scratch += F
     return DraftPool(tokens, parents, scores, depths, n, slots, forwards)
+
+
+class ModelDrafter:
+    """A small drafter model with the target's tokenizer (its own KV cache, kept across steps)."""
+    target_layers = None
+
+    def __init__(self, model: Model):
+        self.model, self.net = model, model.net
+        self.kv_len = 0          # committed tokens whose KV is in the drafter's cache
+
+    def start(self, n_prompt: int, max_len: int, features: Tensor | None) -> None:
+        self.net.setup_cache(max_len)
+        self.kv_len = 0
+
+    def draft(self, committed: list[int], cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
+        pool = draft_pool(self.model, self.kv_len, committed[self.kv_len:], cfg, log_tau, ops)
+        self.kv_len = len(committed)     # the pending tokens ran
+        return pool
+
+    def commit(self, path: Tensor, path_slots: list[int], features: Tensor | None, ops: Ops) -> None:
+        # Keep the KV of the path's longest drafted-and-run prefix (the rest stays pending and
+        # runs in the next step's first forward).
+        ran = [slot >= 0 for slot in path_slots[1:]] + [False]
+        keep = path_slots[1:1 + ran.index(False)]
+        if keep:
+            ops.commit_kv(self.net.kv, torch.tensor(keep, device=path.device), self.kv_len)
+        self.kv_len += len(keep)
+
+
+def draft_pool(drafter: Model, kv_len: int, pending: list[int], cfg: GraftConfig, log_tau: float,
+               ops: Ops) -> DraftPool:
+    """A small model's pool: run ``pending`` (committed tokens not yet in its cache, the root last)
+    from slot ``kv_len``, then ``expand``."""
+    net, device = drafter.net, drafter.device
+    P = len(pending)
+    logits = net(torch.tensor([pending], device=device), torch.arange(kv_len, kv_len + P, device=device),
+                 kv_len, last_only=True)[0]                                   # [1, V]
+
+    def forward(tokens, parent_rows, positions, start, attn_mask, mask_prefix):
+        return net(tokens[None], positions, start, attn_mask=attn_mask, mask_prefix=mask_prefix)[0]
+
+    return expand(logits, forward, kv_len + P - 1, cfg, log_tau, ops)
+
+
+class Eagle3Drafter:
+    """An EAGLE-3 head drafting from the target's fused features (see the module docstring).
+
+    Head cache slot j holds entry j = (target features of committed x_j, token x_{j+1}), RoPE
+    position j; a draft node at depth d under the root (committed index R) sits at position R - 1 + d.
+    """
+
+    def __init__(self, head: Eagle3Head):
+        self.head = self.net = head
+        self.target_layers = tuple(head.target_layers)
+        self.kv_len = 0                  # entries in the head's cache
+        self.features: Tensor | None = None   # [P, F] target features of committed[kv_len:kv_len + P]
+
+    def start(self, n_prompt: int, max_len: int, features: Tensor | None) -> None:
+        self.head.setup_cache(max_len)
+        self.kv_len, self.features = 0, features
+
+    def draft(self, committed: list[int], cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
+        head, feats = self.head, self.features
+        P = feats.shape[0]                       # == len(committed) - 1 - kv_len: every entry up to the root
+        device = feats.device
+        tokens = torch.tensor([committed[self.kv_len + 1:self.kv_len + 1 + P]], device=device)
+        logits, hidden = head(tokens, torch.arange(self.kv_len, self.kv_len + P, device=device), self.kv_len,
+                              last_only=True, features=feats[None])          # [1, 1, V], [1, 1, H]
+        root_slot = self.kv_len + P - 1
+        self.kv_len += P
+        self.features = feats[:0]
+        state = {"hidden": hidden[0]}            # rows of the last forward, children's features
+
+        def forward(tokens, parent_rows, positions, start, attn_mask, mask_prefix):
+            lg, h = head(tokens[None], positions, start, attn_mask=attn_mask, mask_prefix=mask_prefix,
+                         features=state["hidden"][parent_rows][None])
+            state["hidden"] = h[0]
+            return lg[0]
+
+        return expand(logits[0], forward, root_slot, cfg, log_tau, ops)
+
+    def commit(self, path: Tensor, path_slots: list[int], features: Tensor | None, ops: Ops) -> None:
+        # The accepted path's TARGET features (root .. last accepted node) pair with the tokens after
+        # them (the accepted nodes, then the bonus); they run in the next step's first forward.
+        self.features = torch.cat([self.features, features[path]])
+
+
+def as_drafter(drafter: Model | Eagle3Head | Drafter | None) -> Drafter | None:
+    """Wrap what a caller passes as ``drafter=`` into a ``Drafter``."""
+    if drafter is None:
+        return None
+    if isinstance(drafter, Eagle3Head):
+        return Eagle3Drafter(drafter)
+    if isinstance(drafter, Model):
+        return ModelDrafter(drafter)
+    return drafter

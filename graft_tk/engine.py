@@ -13,8 +13,9 @@ import torch
 
 from .backend import LAUNCHES, attention_backend
 from .config import USES_DRAFTER, USES_RETRIEVAL, GraftConfig
-from .drafting import DraftPool, draft_pool
+from .drafting import DraftPool, as_drafter
 from .models import Model
+from .models.eagle3 import Eagle3Head
 from .ops import ops_for
 from .reference.prompt_lookup import prompt_lookup
 from .reference.retrieval import new_adjacency, template_from_level_sizes, warm_adjacency
@@ -25,9 +26,11 @@ ATTENTION_KERNEL = "_tree_attention_kernel"   # launched inside model forwards: 
 
 
 class Engine:
-    def __init__(self, target: Model, drafter: Model | None = None, config: GraftConfig | None = None,
+    def __init__(self, target: Model, drafter: Model | Eagle3Head | None = None, config: GraftConfig | None = None,
                  backend: str = "auto"):
-        self.target, self.drafter = target, drafter
+        # drafter: what the caller passed (a small Model or an EAGLE-3 head); drafting: it behind
+        # the Drafter interface (start / draft / commit), the only way the loop talks to it.
+        self.target, self.drafter, self.drafting = target, drafter, as_drafter(drafter)
         self.config = config or GraftConfig()
         self.ops = ops_for(backend, target.device)
         self.template = template_from_level_sizes(self.config.template, self.config.retrieval_k).to(target.device)
@@ -57,7 +60,7 @@ class Engine:
     def generate(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
                  generator, on_tokens) -> tuple[list[int], dict]:
         """Speculative decoding of ``ids``: returns (new tokens, stats)."""
-        drafter_net = self.drafter.net if self.drafter is not None else None
+        drafter_net = self.drafting.net if self.drafting is not None else None
         with attention_backend([self.target.net, drafter_net], self.ops.backend):
             return self._generate(ids, method, max_new_tokens, temperature, top_p, generator, on_tokens)
 
@@ -72,18 +75,22 @@ class Engine:
         t0 = time.perf_counter()
         n = len(ids)
         tnet.setup_cache(n + max_new_tokens + cfg.budget + 1)
-        if use_drafter:
-            self.drafter.net.setup_cache(n + max_new_tokens + cfg.top_k * cfg.max_depth + 1)
+        drafter = self.drafting if use_drafter else None
+        # Target features the drafter reads (EAGLE-3: fused low/mid/high layers), from every target forward.
+        layers = drafter.target_layers if drafter is not None else None
 
         # Prefill: the prompt's logits give the first token (and warm M when asked to).
         warm = use_retrieval and cfg.warm_from_prefill
         prompt = torch.tensor([ids], device=device)
-        logits = tnet(prompt, torch.arange(n, device=device), 0, last_only=not warm)[0]
+        logits, features = _forward(tnet, layers, prompt, torch.arange(n, device=device), 0,
+                                    last_only=not warm and layers is None)
         if warm:
             warm_adjacency(self.adjacency, prompt[0], logits)
+        if drafter is not None:
+            drafter.start(n, n + max_new_tokens + cfg.top_k * cfg.max_depth + 1, features)
         first = int(next_token(logits[-1:], temperature, top_p, generator)[0])
         committed, out = list(ids) + [first], [first]
-        target_len, drafter_len = n, 0   # tokens whose KV is in each cache; the root is the last committed
+        target_len = n   # tokens whose KV is in the target cache; the root is the last committed
         stats.prefill_seconds = time.perf_counter() - t0
         if on_tokens:
             on_tokens([first])
@@ -94,9 +101,8 @@ class Engine:
             root = torch.tensor(committed[-1], device=device)
             # 1-2. Draft with calibrated pruning: the drafter's candidate pool (empty without a drafter).
             t = time.perf_counter()
-            if use_drafter:
-                pool = draft_pool(self.drafter, drafter_len, committed[drafter_len:], cfg, log_tau, ops)
-                drafter_len = len(committed)
+            if drafter is not None:
+                pool = drafter.draft(committed, cfg, log_tau, ops)
             else:
                 pool = DraftPool.empty(device)
             stats.add_time("draft", t)
@@ -117,8 +123,8 @@ class Engine:
             stats.add_time("retrieve", t)
             # 7. Verify the whole tree in one target forward with tree attention.
             t = time.perf_counter()
-            logits = tnet(tree.tokens[None], tree.positions(target_len), target_len, attn_mask=tree.attn_mask(),
-                          mask_prefix=target_len)[0]
+            logits, features = _forward(tnet, layers, tree.tokens[None], tree.positions(target_len), target_len,
+                                        attn_mask=tree.attn_mask(), mask_prefix=target_len)
             stats.add_time("verify", t)
             # 8. Accept the longest path the target agrees with, plus a bonus token; update M.
             t = time.perf_counter()
@@ -143,21 +149,26 @@ class Engine:
             out += new
             if on_tokens:
                 on_tokens(new)
-            # 9. Commit: compact the target KV of the accepted path; keep the drafter KV of its
-            # longest drafted-and-run prefix (the rest stays pending and runs in the next first forward).
+            # 9. Commit: compact the target KV of the accepted path; bring the drafter up to date
+            # (a small model keeps the KV of accepted drafted nodes; an EAGLE-3 head keeps the path's
+            # target features).
             if not done:
                 ops.commit_kv(tnet.kv, target_len + path, target_len)
                 target_len += m
-                if use_drafter:
-                    ran = [slot >= 0 for slot in path_slots[1:]] + [False]
-                    keep = path_slots[1:1 + ran.index(False)]
-                    if keep:
-                        ops.commit_kv(self.drafter.net.kv, torch.tensor(keep, device=device), drafter_len)
-                    drafter_len += len(keep)
+                if drafter is not None:
+                    drafter.commit(path, path_slots, features, ops)
             stats.add_time("commit", t)
             stats.record_launches(LAUNCHES.snapshot() - launches_before, pool.forwards)
 
         return out, stats.finish(n, len(out), time.perf_counter() - t0)
+
+
+def _forward(net, hidden_layers, tokens, positions, start, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A target forward of one sequence: (logits [T, V], features [T, F] at ``hidden_layers`` or None)."""
+    if hidden_layers is None:
+        return net(tokens, positions, start, **kw)[0], None
+    logits, hidden = net(tokens, positions, start, hidden_layers=hidden_layers, **kw)
+    return logits[0], hidden[0]
 
 
 class _Stats:
