@@ -35,7 +35,7 @@ from graft_tk._fs import atomic_write_text, graft_home
 from graft_tk.config import METHODS, GraftConfig
 from graft_tk.errors import CorruptFileError, GraftError
 from graft_tk.models import Model
-from graft_tk.models.registry import STAMP
+from graft_tk.models.registry import STAMP, sha256_file
 
 FORMAT = "graft_tk.profile/1"
 
@@ -111,12 +111,8 @@ def weights_fingerprint(model: Model) -> str:
                                                                   or p.name == "config.json"))
     memo = tuple((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files) + (extra,)
     if memo not in _FINGERPRINTS:
-        h = hashlib.sha256(extra.encode())
-        for p in files:
-            with open(p, "rb") as f:
-                while chunk := f.read(1 << 22):
-                    h.update(chunk)
-        _FINGERPRINTS[memo] = h.hexdigest()[:16]
+        digests = [extra] + [sha256_file(p) for p in files]
+        _FINGERPRINTS[memo] = hashlib.sha256("\n".join(digests).encode()).hexdigest()[:16]
     return _FINGERPRINTS[memo]
 
 

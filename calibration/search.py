@@ -26,6 +26,7 @@ import optuna
 from graft_tk import __version__
 from graft_tk._fs import graft_home
 from graft_tk.config import USES_DRAFTER, USES_RETRIEVAL, GraftConfig
+from graft_tk.bench import cold_decode
 from graft_tk.decode import decode, encode_prompt
 from graft_tk.engine import Engine
 from graft_tk.errors import InputError
@@ -201,12 +202,8 @@ class Objective:
 
 
 def run_decode(task: Task, method: str, config: GraftConfig | None, ids: list[int], max_new_tokens: int):
-    """One cold decode (fresh Engine): (tokens, stats)."""
-    engine = None if method == "ar" else Engine(task.target, task.drafter if method in USES_DRAFTER else None,
-                                                config)
-    r = decode(task.target, ids, method=method, drafter=task.drafter, config=config, engine=engine,
-               max_new_tokens=max_new_tokens)
-    return r.tokens, r.stats
+    """One cold decode of the task's model pair (fresh Engine): (tokens, stats)."""
+    return cold_decode(task.target, task.drafter, method, config, ids, max_new_tokens)
 
 
 def reference_outputs(task: Task, prompts: list[Prompt]) -> tuple[list[list[int]], list[list[int]], list[float]]:

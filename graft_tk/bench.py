@@ -110,10 +110,17 @@ class Plan:
     def run_once(self, name: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
         if name not in self.methods:
             return self.anchors.run(name, ids, max_new_tokens, self.temperature, self.seed)
-        engine = None if name == "ar" else Engine(self.target, self.drafter, self.config)
-        r = decode(self.target, ids, method=name, drafter=self.drafter, config=self.config, engine=engine,
-                   max_new_tokens=max_new_tokens, temperature=self.temperature, seed=self.seed)
-        return r.tokens, r.stats
+        return cold_decode(self.target, self.drafter, name, self.config, ids, max_new_tokens, self.temperature,
+                           self.seed)
+
+
+def cold_decode(target: Model, drafter: Model | None, method: str, config: GraftConfig | None, ids: list[int],
+                max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> tuple[list[int], dict]:
+    """One decode from a fresh Engine (cold adjacency matrix, no state from earlier runs): (tokens, stats)."""
+    engine = None if method == "ar" else Engine(target, drafter, config)
+    r = decode(target, ids, method=method, drafter=drafter, config=config, engine=engine,
+               max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    return r.tokens, r.stats
 
 
 def run(plan: Plan, on_run: Callable[[Prompt, str], None] | None = None) -> list[dict]:

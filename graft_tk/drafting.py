@@ -142,9 +142,18 @@ class ModelDrafter:
         self.kv_len = 0
 
     def draft(self, committed: list[int], cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
-        pool = draft_pool(self.model, self.kv_len, committed[self.kv_len:], cfg, log_tau, ops)
-        self.kv_len = len(committed)     # the pending tokens ran
-        return pool
+        # Run the committed tokens not yet in the cache (the root last), then expand from the root.
+        net, device, kv_len = self.net, self.model.device, self.kv_len
+        pending = committed[kv_len:]
+        P = len(pending)
+        logits = net(torch.tensor([pending], device=device), torch.arange(kv_len, kv_len + P, device=device),
+                     kv_len, last_only=True)[0]                               # [1, V]
+        self.kv_len = len(committed)
+
+        def forward(tokens, parent_rows, positions, start, attn_mask, mask_prefix):
+            return net(tokens[None], positions, start, attn_mask=attn_mask, mask_prefix=mask_prefix)[0]
+
+        return expand(logits, forward, kv_len + P - 1, cfg, log_tau, ops)
 
     def commit(self, path: Tensor, path_slots: list[int], features: Tensor | None, ops: Ops) -> None:
         # Keep the KV of the path's longest drafted-and-run prefix (the rest stays pending and
@@ -154,21 +163,6 @@ class ModelDrafter:
         if keep:
             ops.commit_kv(self.net.kv, torch.tensor(keep, device=path.device), self.kv_len)
         self.kv_len += len(keep)
-
-
-def draft_pool(drafter: Model, kv_len: int, pending: list[int], cfg: GraftConfig, log_tau: float,
-               ops: Ops) -> DraftPool:
-    """A small model's pool: run ``pending`` (committed tokens not yet in its cache, the root last)
-    from slot ``kv_len``, then ``expand``."""
-    net, device = drafter.net, drafter.device
-    P = len(pending)
-    logits = net(torch.tensor([pending], device=device), torch.arange(kv_len, kv_len + P, device=device),
-                 kv_len, last_only=True)[0]                                   # [1, V]
-
-    def forward(tokens, parent_rows, positions, start, attn_mask, mask_prefix):
-        return net(tokens[None], positions, start, attn_mask=attn_mask, mask_prefix=mask_prefix)[0]
-
-    return expand(logits, forward, kv_len + P - 1, cfg, log_tau, ops)
 
 
 class Eagle3Drafter:

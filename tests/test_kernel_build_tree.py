@@ -2,7 +2,7 @@
 reference vs the step-by-step pipeline (select_nodes + draft_as_tree + one graft_merge per source).
 
 Pools come from the reference draft_expand on random logits over a few depths, exactly as
-draft_pool fills them; candidates are a prompt-lookup-like chain followed by reference retrieve
+drafting.expand fills them; candidates are a prompt-lookup-like chain followed by reference retrieve
 on a random adjacency. A small vocabulary (V = 12..24) makes drafted and retrieved tokens collide,
 so the dedup paths run on every seed. Pools and candidates are built on CPU (seeded: the same
 values everywhere) and moved to DEVICE; kernel and reference get the same device tensors.
@@ -24,7 +24,7 @@ FIELDS = ("tokens", "parents", "depth", "source", "scores", "pool_index", "mask"
 
 
 def make_pool(seed: int, vocab: int, top_k: int, max_depth: int, log_tau: float, garbage: bool = True):
-    """draft_pool's candidate pool on random logits: (tokens, parents, scores, depths, n). Entries
+    """drafting.expand's candidate pool on random logits: (tokens, parents, scores, depths, n). Entries
     past n are garbage with the best possible score when ``garbage`` (the op must ignore them).
     Built on CPU (the reference draft_expand on CPU-drawn logits): move with ``on_device``."""
     g = torch.Generator().manual_seed(seed)

@@ -218,7 +218,7 @@ def build_tree(pool_tokens: Tensor, pool_parents: Tensor, pool_scores: Tensor, p
 
     Parameters
     ----------
-    pool_tokens : int64 [P]      drafted candidates in creation order (as ``draft_pool`` builds them)
+    pool_tokens : int64 [P]      drafted candidates in creation order (as ``drafting.expand`` builds them)
     pool_parents : int64 [P]     -1 = child of the root, else an earlier pool index
     pool_scores : float32 [P]    cumulative drafter log-prob
     pool_depth : int [P]         depth of each entry (root children: 1)
