@@ -3,6 +3,7 @@ from . import kernels as _kernels  # noqa: F401  first: without CUDA it switches
 from .decode import DecodeResult, decode
 from .errors import GraftError
 from .models import Model, load_model
+from .models.eagle3_checkpoint import load_eagle3
 
 __version__ = "0.1.0"
-__all__ = ["decode", "DecodeResult", "load_model", "Model", "GraftError", "__version__"]
+__all__ = ["decode", "DecodeResult", "load_model", "load_eagle3", "Model", "GraftError", "__version__"]

@@ -10,14 +10,8 @@ from safetensors.torch import load_file, save_file
 from graft_tk.errors import GraftError, InputError
 from graft_tk.models import Model
 from graft_tk.models.checkpoint import load_transformer, read_config
-from graft_tk.models.eagle3 import (
-    Eagle3CheckpointError,
-    Eagle3Config,
-    Eagle3Head,
-    default_target_layers,
-    load_eagle3,
-    save_eagle3,
-)
+from graft_tk.models.eagle3 import Eagle3Config, Eagle3Head, default_target_layers
+from graft_tk.models.eagle3_checkpoint import Eagle3CheckpointError, load_eagle3, save_eagle3
 
 from .kernel_utils import DEVICE, on_device
 from .tolerances import LOGITS_FP32_ATOL

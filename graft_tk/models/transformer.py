@@ -102,6 +102,13 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     return scaled
 
 
+def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """positions [B, T] -> (cos, sin) [B, 1, T, Dh] for ``apply_rope``."""
+    freqs = positions[..., None].float() * inv_freq  # [B, T, Dh/2]
+    freqs = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # x: [B, H, T, Dh]; cos/sin: [B, 1, T, Dh] (frequencies repeated over both halves).
     half = x.shape[-1] // 2
@@ -121,8 +128,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, start: int, mask: AttentionMask) -> Tensor:
-        # x: [B, T, dim]; kv: this layer's cache [2, B, Hkv, S, Dh]
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, in] -> q [B, H, T, Dh], k, v [B, Hkv, T, Dh], RoPE applied."""
         B, T, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -132,8 +139,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
 
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, start: int, mask: AttentionMask) -> Tensor:
+        # x: [B, T, dim]; kv: this layer's cache [2, B, Hkv, S, Dh]
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         end = start + T
         kv[0, :, :, start:end] = k
         kv[1, :, :, start:end] = v
@@ -142,7 +153,7 @@ class Attention(nn.Module):
         else:
             keys, values = kv[0, :, :, :end], kv[1, :, :, :end]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.full, enable_gqa=True)
-        return self.wo(out.transpose(1, 2).reshape(B, T, q_size))
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):
@@ -286,12 +297,10 @@ class Transformer(nn.Module):
         mask = attention_mask(backend, start, T, attn_mask, mask_prefix, tokens.device)
         if positions.dim() == 1:
             positions = positions[None].expand(tokens.shape[0], -1)
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, Dh/2]
-        freqs = torch.cat((freqs, freqs), dim=-1)[:, None]     # [B, 1, T, Dh]
         if hidden_layers is not None and not (hidden_layers and all(0 <= i < len(self.layers) for i in hidden_layers)):
             raise InputError(f"hidden_layers must be layer indices in [0, {len(self.layers)}), got {hidden_layers}")
         x = self.tok_embeddings(tokens)
-        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+        cos, sin = rope_tables(positions, self.inv_freq, x.dtype)
         taken: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, self.kv[i], start, mask)
