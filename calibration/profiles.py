@@ -35,6 +35,7 @@ from graft_tk._fs import atomic_write_text, graft_home
 from graft_tk.config import METHODS, GraftConfig
 from graft_tk.errors import CorruptFileError, GraftError
 from graft_tk.models import Model
+from graft_tk.models.eagle3 import Eagle3Head
 from graft_tk.models.registry import STAMP, sha256_file
 
 FORMAT = "graft_tk.profile/1"
@@ -66,7 +67,7 @@ class ProfileKey:
         return slug[:180] + ".json"
 
 
-def profile_key(target: Model, drafter: Model | None) -> ProfileKey:
+def profile_key(target: Model, drafter: Model | Eagle3Head | None) -> ProfileKey:
     return ProfileKey(target=target.name, target_weights=weights_fingerprint(target),
                       drafter=drafter.name if drafter else None,
                       drafter_weights=weights_fingerprint(drafter) if drafter else None,
@@ -92,16 +93,21 @@ def device_name(device: torch.device) -> str:
 _FINGERPRINTS: dict[tuple, str] = {}
 
 
-def weights_fingerprint(model: Model) -> str:
+def weights_fingerprint(model: Model | Eagle3Head) -> str:
     """A hash that changes when the weights change.
 
     Registry and GGUF conversions carry their source's sha256 in a stamp file; other checkpoint
-    folders are hashed (config.json and every weight file), memoised by path, size and mtime.
-    Self-drafters (``name[:L]``) differ by name, and the layer count is part of config.json's hash.
+    folders (EAGLE-3 heads included) are hashed (config.json and every weight file), memoised by
+    path, size and mtime. Self-drafters (``name[:L]``) differ by name and by layer count.
     """
-    path = Path(model.path)
+    if isinstance(model, Eagle3Head):
+        if model.path is None:
+            raise GraftError("an EAGLE-3 head built in memory has no weights file to fingerprint; "
+                             "save it (save_eagle3) and load it (load_eagle3)")
+        path, extra = Path(model.path), "eagle3"
+    else:
+        path, extra = Path(model.path), f"layers={model.config.n_layers}"
     stamp = path / STAMP
-    extra = f"layers={model.config.n_layers}"
     if stamp.exists():
         try:
             return hashlib.sha256((json.loads(stamp.read_text())["source_sha256"] + extra).encode()).hexdigest()[:16]
@@ -159,7 +165,7 @@ def read_profile(path: Path) -> Profile:
         raise CorruptFileError(f"profile {path} has invalid contents ({e}); {fix}") from e
 
 
-def find_profile(target: Model, drafter: Model | None, directory: Path | None = None) -> Profile | None:
+def find_profile(target: Model, drafter: Model | Eagle3Head | None, directory: Path | None = None) -> Profile | None:
     """The usable profile for this pair, or None. Stale or corrupt ones warn (ProfileWarning) and give None."""
     key = profile_key(target, drafter)
     path = Path(directory or profile_dir()) / key.file_name()

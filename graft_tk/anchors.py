@@ -74,7 +74,7 @@ class HFAnchors:
     ``names`` is the anchors still runnable. Call ``fail`` when a run raises.
     """
 
-    def __init__(self, target: Model, drafter: Model | None, names: tuple[str, ...]):
+    def __init__(self, target: Model, drafter, names: tuple[str, ...]):
         self.status: dict[str, dict] = {n: {"status": "ok"} for n in names}
         self.target, self.hf_target, self.hf_drafter = target, None, None
         if not names:
@@ -89,6 +89,8 @@ class HFAnchors:
         if "hf_assisted" in names:
             if drafter is None:
                 self._record("hf_assisted", "skipped", "needs a drafter (--drafter)")
+            elif not isinstance(drafter, Model):
+                self._record("hf_assisted", "skipped", "needs a drafter model; an EAGLE-3 head has no HF equivalent")
             else:
                 try:
                     self.hf_drafter = self._load(transformers, drafter)

@@ -39,6 +39,8 @@ from .decode import decode, encode_prompt
 from .engine import Engine
 from .errors import InputError
 from .models import Model, load_model
+from .models.eagle3 import Eagle3Head
+from .models.eagle3_checkpoint import load_eagle3
 from .models.registry import HF_ALIASES, HF_DRAFTERS, REGISTRY
 from .prompts import Prompt
 
@@ -64,8 +66,9 @@ def default_drafter(model: str) -> str | None:
     return HF_DRAFTERS.get(HF_ALIASES.get(model, model))
 
 
-def load_drafter(spec: str | None, model: str, dtype=None, device=None) -> Model | None:
-    """``None`` / ``"none"`` -> no drafter; ``"self:L"`` -> the target's first L layers; else load_model(spec)."""
+def load_drafter(spec: str | None, target: Model, model: str, dtype=None, device=None) -> Model | Eagle3Head | None:
+    """``None`` / ``"none"`` -> no drafter; ``"self:L"`` -> the target's first L layers (``model`` is
+    the target's name as given); ``"eagle3:PATH"`` -> an EAGLE-3 head for ``target``; else load_model(spec)."""
     if spec is None or spec == "none":
         return None
     if spec.startswith("self:"):
@@ -73,14 +76,25 @@ def load_drafter(spec: str | None, model: str, dtype=None, device=None) -> Model
         if not layers.isdigit() or int(layers) < 1:
             raise InputError(f"--drafter self:L needs a layer count L >= 1, got {spec!r}")
         return load_model(model, dtype=dtype, device=device, num_layers=int(layers))
+    if spec.startswith("eagle3:"):
+        return load_eagle3(spec[len("eagle3:"):], target)
     return load_model(spec, dtype=dtype, device=device)
+
+
+def drafter_spec(args) -> str | None:
+    """A CLI's drafter: ``--eagle3 PATH`` or ``--drafter SPEC``, else the registry's pair for ``--model``."""
+    if args.eagle3 is not None:
+        if args.drafter is not None:
+            raise InputError("pass --drafter or --eagle3, not both")
+        return f"eagle3:{args.eagle3}"
+    return args.drafter if args.drafter is not None else default_drafter(args.model)
 
 
 @dataclass
 class Plan:
     """Everything one benchmark run needs."""
     target: Model
-    drafter: Model | None
+    drafter: Model | Eagle3Head | None
     config: GraftConfig
     methods: tuple[str, ...]        # ours, "ar" first
     prompts: list[Prompt]

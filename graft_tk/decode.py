@@ -144,8 +144,8 @@ def _resolve_config(target: Model, drafter: Model | Eagle3Head | None, method: s
         return config, "engine"
     if config is not None:
         return config, "explicit"
-    if method in USES_DRAFTER and isinstance(drafter, Eagle3Head):
-        return GraftConfig(), "default (no calibration profiles for EAGLE-3 heads yet)"
+    if method in USES_DRAFTER and isinstance(drafter, Eagle3Head) and drafter.path is None:
+        return GraftConfig(), "default (an EAGLE-3 head not loaded from a checkpoint has no profile)"
     from .calibration.profiles import find_profile  # json only; warns on a stale or corrupt profile
     profile = find_profile(target, drafter if method in USES_DRAFTER else None)
     if profile is not None:

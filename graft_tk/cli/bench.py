@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="qwen2.5-coder-1.5b",
                    help="target: built-in name, checkpoint folder, .gguf file or cached HF repo id "
                         "(default: %(default)s)")
+    p.add_argument("--eagle3", default=None, metavar="PATH",
+                   help="draft with this EAGLE-3 head folder (graft-train-eagle3 --out, or a published one)")
     p.add_argument("--drafter", default=None,
                    help="drafter: a model name or path, self:L (the target's first L layers) or none "
                         "(default: the registry's pair for --model, e.g. qwen2.5-coder-0.5b)")
@@ -108,9 +110,9 @@ def _run(args) -> dict:
     config = GraftConfig(**overrides)
 
     target = load_model(args.model, dtype=args.dtype, device=args.device)
-    drafter_spec = args.drafter if args.drafter is not None else bench.default_drafter(args.model)
+    spec = bench.drafter_spec(args)
     needs_drafter = any(m in config_mod.USES_DRAFTER for m in methods) or "hf_assisted" in anchors
-    drafter = bench.load_drafter(drafter_spec, args.model, args.dtype, args.device) if needs_drafter else None
+    drafter = bench.load_drafter(spec, target, args.model, args.dtype, args.device) if needs_drafter else None
     if args.profile:
         from ..calibration.profiles import find_profile
         profile = find_profile(target, drafter)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..bench import default_drafter, load_drafter
+from ..bench import drafter_spec, load_drafter
 from ..config import METHODS, USES_DRAFTER
 from ..errors import CorruptFileError, GraftError, InputError
 from ..models import load_model
@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="target: built-in name, checkpoint folder, .gguf file or cached HF repo id "
                                    "(e.g. qwen3 = Qwen/Qwen3-8B from the local HF cache)")
+    p.add_argument("--eagle3", default=None, metavar="PATH",
+                   help="calibrate with this EAGLE-3 head folder as the drafter (instead of --drafter)")
     p.add_argument("--drafter", default=None,
                    help="a model name or path, self:L (the target's first L layers) or none "
                         "(default: the registry's pair for --model)")
@@ -84,11 +86,11 @@ def run(args) -> int:
     if args.n_prompts < 1 or args.validate < 0:
         raise InputError("--n-prompts must be >= 1 and --validate >= 0")
     target = load_model(args.model, dtype=args.dtype, device=args.device)
-    drafter_spec = args.drafter or default_drafter(args.model)
-    if drafter_spec is None and any(m in USES_DRAFTER for m in methods):
+    spec = drafter_spec(args)
+    if spec is None and any(m in USES_DRAFTER for m in methods):
         raise InputError(f"no known drafter pairs with {args.model}: pass --drafter NAME (same tokenizer), "
-                         "--drafter self:L, or --drafter none --methods retrieval,pld")
-    drafter = load_drafter(drafter_spec, args.model, dtype=args.dtype, device=args.device)
+                         "--drafter self:L, --eagle3 PATH, or --drafter none --methods retrieval,pld")
+    drafter = load_drafter(spec, target, args.model, dtype=args.dtype, device=args.device)
     tune, held_out = split_prompts(load_prompts(args.prompts), args.n_prompts, args.validate)
     task = search.Task(target=target, drafter=drafter, prompts=tune, validation=held_out,
                        max_new_tokens=args.max_new_tokens, methods=methods, objectives=args.objectives,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -153,6 +154,8 @@ class Eagle3Head(nn.Module):
         self.register_buffer("draft_ids", torch.arange(cfg.draft_vocab_size), persistent=False)
         self._identity_vocab = cfg.draft_vocab_size == cfg.vocab_size
         self.kv: Tensor | None = None   # [1, 2, B, Hkv, S, Dh], see setup_cache
+        self.name: str = "eagle3"          # load_eagle3 sets name and path; profiles key on them
+        self.path: Path | None = None
         self.attention_backend = "torch"
 
     @property

@@ -213,14 +213,16 @@ def load_eagle3(path: str | Path, target: Model, dtype: torch.dtype | None = Non
         raise Eagle3CheckpointError(f"{path}: {e}") from e
     if "t2d" in tensors and not torch.equal(tensors["t2d"].bool().to(device), head.t2d):
         raise Eagle3CheckpointError(f"{path}: t2d does not mark exactly the target ids that d2t maps to")
+    head.name, head.path = f"eagle3:{path.name}", path
     log.info("loaded EAGLE-3 head %s (hidden %d, draft vocab %d, target layers %s)", path, cfg.hidden_size,
              cfg.draft_vocab_size, cfg.target_layers)
     return head.eval().requires_grad_(False)
 
 
-def save_eagle3(head: Eagle3Head, path: str | Path) -> None:
+def save_eagle3(head: Eagle3Head, path: str | Path, extra_files: dict[str, bytes] | None = None) -> None:
     """Write ``head`` as an EAGLE / SpecForge checkpoint folder (config.json + model.safetensors),
-    atomically: ``path`` is replaced as a whole. A shared (target) embedding is not written."""
+    atomically: ``path`` is replaced as a whole, ``extra_files`` (name -> bytes) included. A shared
+    (target) embedding is not written."""
     from safetensors.torch import save_file
 
     cfg, lc = head.config, head.config.layer
@@ -250,3 +252,5 @@ def save_eagle3(head: Eagle3Head, path: str | Path) -> None:
     with atomic_dir(Path(path).expanduser()) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)

@@ -1,0 +1,196 @@
+"""Training text for draft heads, none of it from a benchmark set.
+
+Three sources, each a list of token-id documents:
+
+* ``stdlib_documents``: the source files of the Python standard library that runs this process
+  (ships with every Python; code, like the HumanEval task the heads are measured on);
+* ``distilled_documents``: the target's own greedy answers to prompts built from standard-library
+  functions (signature + docstring, "complete this function"), chat template applied: exactly the
+  text a head sees when it drafts for this target (EAGLE trains on the target's own outputs too);
+* ``file_documents``: the user's files (``--data``): .jsonl rows with ``text`` or
+  ``prompt`` + ``response``, anything else read as plain text.
+
+``Corpus`` cuts documents into fixed-length windows and serves them in a seeded order that
+depends only on the step number, so a resumed run sees exactly the batches it would have seen.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ..errors import InputError
+from ..models import Model
+
+# Standard-library folders that are tests, GUI demos, generated tables or vendored data.
+_SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
+              "dist-packages", "encodings", "pydoc_data", "__pycache__", "__phello__"}
+_MAX_FILE_BYTES = 200_000
+INSTRUCTIONS = ("Complete this Python function.", "Implement the function below.",
+                "Write the body of this Python function.")
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's own .py files, sorted (deterministic)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py")
+             if not _SKIP_DIRS & set(p.relative_to(root).parts[:-1]) and not p.name.startswith("test_")
+             and p.stat().st_size <= _MAX_FILE_BYTES]
+    if not files:
+        raise InputError(f"no standard-library sources under {root}; pass training text with --data")
+    return sorted(files)
+
+
+def stdlib_documents(model: Model, max_tokens: int, seed: int) -> list[list[int]]:
+    """Whole standard-library files in a seeded order until ``max_tokens`` tokens are taken."""
+    files = stdlib_files()
+    random.Random(seed).shuffle(files)
+    docs, total = [], 0
+    for path in files:
+        if total >= max_tokens:
+            break
+        ids = model.tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
+        ids = ids[:max_tokens - total]
+        docs.append(ids)
+        total += len(ids)
+    return docs
+
+
+def function_prompts(n: int, seed: int) -> list[str]:
+    """``n`` "complete this function" prompts from public standard-library functions with a docstring."""
+    candidates = []
+    for path in stdlib_files():
+        source = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        lines = source.splitlines()
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if doc is None or not 40 <= len(doc) <= 800:
+                continue
+            header = "\n".join(lines[node.lineno - 1:node.body[0].end_lineno])
+            candidates.append(header)
+    rng = random.Random(seed)
+    rng.shuffle(candidates)
+    return [f"{rng.choice(INSTRUCTIONS)}\n\n{c}\n" for c in candidates[:n]]
+
+
+def distilled_documents(target: Model, n_prompts: int, max_new_tokens: int, seed: int,
+                        progress: bool = True) -> list[list[int]]:
+    """Chat-formatted function prompts followed by the target's own greedy answers (fp-exact
+    speculative decoding with retrieval only: the same tokens as plain greedy, sooner)."""
+    from ..decode import decode, encode_prompt
+    from ..engine import Engine
+
+    engine = Engine(target)   # one engine: its adjacency matrix warms up across prompts
+    docs = []
+    for text in tqdm(function_prompts(n_prompts, seed), desc="distil", unit="prompt", disable=not progress):
+        ids = encode_prompt(target, text, chat=True)
+        out = decode(target, ids, method="retrieval", engine=engine, max_new_tokens=max_new_tokens)
+        docs.append(ids + out.tokens)
+    return docs
+
+
+def file_documents(paths: list[Path], model: Model) -> list[list[int]]:
+    """Documents from the user's files: .jsonl rows (``text``, or ``prompt`` + ``response`` as a chat),
+    other files as plain text."""
+    from ..decode import encode_prompt
+
+    docs = []
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise InputError(f"--data {path}: no such file")
+        if path.suffix != ".jsonl":
+            docs.append(model.tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"),
+                                               add_special_tokens=False))
+            continue
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+            if isinstance(row, dict) and isinstance(row.get("text"), str):
+                docs.append(model.tokenizer.encode(row["text"], add_special_tokens=False))
+            elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):
+                ids = encode_prompt(model, row["prompt"], chat=True)
+                docs.append(ids + model.tokenizer.encode(row["response"], add_special_tokens=False))
+            else:
+                raise InputError(f"{path}:{lineno}: each row needs a 'text' string, or 'prompt' and 'response'")
+    return docs
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Token windows of at most ``seq_len`` tokens (documents cut, never joined), padded."""
+    tokens: Tensor    # int64 [W, seq_len], pad 0
+    lengths: Tensor   # int64 [W]
+
+    @classmethod
+    def from_documents(cls, docs: list[list[int]], seq_len: int) -> Corpus:
+        windows = [d[i:i + seq_len] for d in docs for i in range(0, len(d), seq_len)]
+        windows = [w for w in windows if len(w) >= 3]   # a head entry needs (x_t, x_t+1) and a target
+        if not windows:
+            raise InputError("the training corpus is empty (every document is shorter than 3 tokens)")
+        tokens = torch.zeros(len(windows), seq_len, dtype=torch.long)
+        for i, w in enumerate(windows):
+            tokens[i, :len(w)] = torch.tensor(w)
+        return cls(tokens, torch.tensor([len(w) for w in windows]))
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def split(self, n_heldout: int, seed: int) -> tuple[Corpus, Corpus]:
+        """(train, held-out) with ``n_heldout`` windows chosen by ``seed``."""
+        n = self.tokens.shape[0]
+        if not 0 < n_heldout < n:
+            raise InputError(f"the corpus has {n} windows; cannot hold out {n_heldout} for validation")
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        held, train = order[:n_heldout].sort().values, order[n_heldout:].sort().values
+        return Corpus(self.tokens[train], self.lengths[train]), Corpus(self.tokens[held], self.lengths[held])
+
+    def batch(self, step: int, batch_size: int, seed: int) -> tuple[Tensor, Tensor]:
+        """Batch ``step``: windows in a per-epoch seeded order -> (tokens [B, T], valid [B, T] bool),
+        trimmed to the longest window in the batch."""
+        n = self.tokens.shape[0]
+        orders: dict[int, Tensor] = {}
+        picks = []
+        for i in range(step * batch_size, (step + 1) * batch_size):
+            epoch, pos = divmod(i, n)
+            if epoch not in orders:
+                orders[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+            picks.append(int(orders[epoch][pos]))
+        idx = torch.tensor(picks)
+        lengths = self.lengths[idx]
+        T = int(lengths.max())
+        valid = torch.arange(T)[None] < lengths[:, None]
+        return self.tokens[idx, :T], valid
+
+    def token_counts(self, vocab_size: int) -> Tensor:
+        """How often each token id occurs (pads excluded), int64 [vocab_size]."""
+        valid = torch.arange(self.tokens.shape[1])[None] < self.lengths[:, None]
+        return torch.bincount(self.tokens[valid], minlength=vocab_size)
+
+
+def draft_vocab(counts: Tensor, size: int) -> Tensor:
+    """EAGLE-3's reduced vocabulary: the ``size`` most frequent target ids (ties: lower id first),
+    sorted -> ``d2t`` [size] with target id = draft id + d2t[draft id]."""
+    if not 1 <= size <= counts.shape[0]:
+        raise InputError(f"--draft-vocab must be in [1, {counts.shape[0]}] (the target's vocabulary), got {size}")
+    # A stable sort on -count keeps ties in id order: the choice is deterministic.
+    ids = torch.sort(-counts, stable=True).indices[:size].sort().values
+    return ids - torch.arange(size)
