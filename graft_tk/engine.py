@@ -82,8 +82,7 @@ class Engine:
         # Prefill: the prompt's logits give the first token (and warm M when asked to).
         warm = use_retrieval and cfg.warm_from_prefill
         prompt = torch.tensor([ids], device=device)
-        logits, features = _forward(tnet, layers, prompt, torch.arange(n, device=device), 0,
-                                    last_only=not warm and layers is None)
+        logits, features = _forward(tnet, layers, prompt, torch.arange(n, device=device), 0, last_only=not warm)
         if warm:
             warm_adjacency(self.adjacency, prompt[0], logits)
         if drafter is not None:

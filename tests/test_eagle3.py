@@ -78,7 +78,8 @@ def test_hidden_layers_are_the_residual_stream_hf_reports(target):
     assert (hidden - torch.cat([want[6], want[2], want[4]], dim=-1)).abs().max() <= LOGITS_FP32_ATOL
     last_logits, last_hidden = model.net(tokens, torch.arange(tokens.shape[1]), 0, hidden_layers=(5, 1, 3),
                                          last_only=True)
-    assert torch.equal(last_hidden, hidden[:, -1:])      # logits: a 1-row matmul rounds differently
+    assert torch.equal(last_hidden, hidden)              # features of every token; logits of the last only
+    # (logits: a 1-row matmul rounds differently)
     assert (last_logits - logits[:, -1:]).abs().max() <= LOGITS_FP32_ATOL
     for bad in ((), (LAYERS,), (-1, 2)):
         with pytest.raises(InputError, match="hidden_layers"):

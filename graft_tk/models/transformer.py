@@ -288,7 +288,8 @@ class Transformer(nn.Module):
                      layer i before the final norm (HF's ``output_hidden_states[i + 1]``, except
                      for the last layer, where HF's entry is after the norm).
         returns      [B, T, V] float32, or with hidden_layers (logits, hidden), hidden
-                     [B, T, len(hidden_layers) * dim] in the model's dtype; last_only cuts both
+                     [B, T, len(hidden_layers) * dim] in the model's dtype, every token even with
+                     last_only (a drafter reads the whole prompt's features after prefill)
         """
         T = tokens.shape[1]
         if self.kv is None or start + T > self.cache_len:
@@ -305,7 +306,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, self.kv[i], start, mask)
             if hidden_layers is not None and i in hidden_layers:
-                taken[i] = x[:, -1:] if last_only else x
+                taken[i] = x
         if last_only:
             x = x[:, -1:]
         logits = F.linear(self.norm(x), self.lm_head_weight).float()

@@ -301,7 +301,7 @@ def train(target: Model, out: str | Path, cfg: TrainConfig, restart: bool = Fals
         save(0)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train eagle3", unit="step",
                disable=not progress)
-    step = start
+    done, updating = start, False     # steps whose update is complete; inside optimizer.step?
     try:
         for step in bar:
             t0 = time.perf_counter()
@@ -314,19 +314,24 @@ def train(target: Model, out: str | Path, cfg: TrainConfig, restart: bool = Fals
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(_trainable(head), 1.0)
+            updating = True
             optimizer.step()
+            done, updating = step + 1, False
             seconds = time.perf_counter() - t0
             loss = loss.item()
-            state["log"].append({"step": step + 1, "loss": loss, "accuracy": acc, "lr": _lr(cfg, step),
+            state["log"].append({"step": done, "loss": loss, "accuracy": acc, "lr": _lr(cfg, step),
                                  "tokens_per_s": int(valid.sum()) / seconds})
             bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{acc[0]:.2f}", tok_s=f"{int(valid.sum()) / seconds:.0f}")
-            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                state["evals"].append({"step": step + 1, **evaluate(target, head, heldout, cfg)})
-                save(step + 1)
+            if done % cfg.save_every == 0 or done == cfg.steps:
+                state["evals"].append({"step": done, **evaluate(target, head, heldout, cfg)})
+                save(done)
     except KeyboardInterrupt:
-        done = len(state["log"])
-        log.warning("interrupted: saving step %d to %s (run the same command to resume)", done, out)
-        save(done)
+        if updating:   # the weights may be half-updated: keep the last checkpoint
+            log.warning("interrupted mid-update: %s keeps its last checkpoint (run the same command to resume)", out)
+        else:
+            log.warning("interrupted: saving step %d to %s (run the same command to resume)", done, out)
+            state["log"] = state["log"][:done]
+            save(done)
         raise
     return state["evals"][-1]
 
