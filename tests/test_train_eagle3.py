@@ -4,6 +4,8 @@ an uninterrupted one, and the folder it writes is a head that decode, profiles a
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -151,3 +153,18 @@ def test_corpus_windows_batches_and_draft_vocabulary(smollm2, tmp_path):
     prompts = function_prompts(5, seed=0)
     assert len(prompts) == 5 and all("\ndef " in p for p in prompts)
     assert prompts == function_prompts(5, seed=0)
+
+
+def test_generate_cli_drafts_with_the_trained_head(trained):
+    out, _ = trained
+
+    def generate(*extra):
+        r = subprocess.run([sys.executable, "-m", "graft_tk.cli.generate", "--model", "smollm2-135m", "--dtype", "fp32",
+                            "--prompt", "Write a Python function that adds two numbers.", "--max-new-tokens", "10",
+                            "--json", *extra], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    ar, graft = generate(), generate("--eagle3", str(out), "--method", "graft")
+    assert graft["tokens"] == ar["tokens"]
+    assert graft["stats"]["nodes_by_source"].get("draft", 0) > 0

@@ -172,7 +172,7 @@ def init_head(target: Model, d2t: Tensor, seed: int) -> Eagle3Head:
     """A fresh head for ``target`` (fp32, trainable), lm_head and norm from the target."""
     torch.manual_seed(seed)
     cfg = Eagle3Config.for_target(target.config, draft_vocab_size=d2t.shape[0])
-    head = Eagle3Head(cfg, target.net.tok_embeddings.weight.detach().float())
+    head = Eagle3Head(cfg, target.net.tok_embeddings.weight)   # shared and frozen, as load_eagle3 shares it
     head.set_vocab_map(d2t)
     with torch.no_grad():
         head.lm_head.weight.copy_(target.net.lm_head_weight[head.draft_ids].float())
@@ -272,20 +272,18 @@ def train(target: Model, out: str | Path, cfg: TrainConfig, restart: bool = Fals
     if state is None:
         corpus = build_corpus(target, cfg, progress)
         train_set, heldout = corpus.split(min(HELDOUT_WINDOWS, max(1, corpus.tokens.shape[0] // 10)), cfg.seed)
-        d2t = draft_vocab(train_set.token_counts(target.config.vocab_size), cfg.draft_vocab)
-        head = init_head(target, d2t, cfg.seed)
+        counts = train_set.token_counts(target.config.vocab_size)
+        head = init_head(target, draft_vocab(counts, cfg.draft_vocab), cfg.seed)
         optimizer = torch.optim.AdamW(_trainable(head), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         state = {"version": STATE_VERSION, "target": target.name, "step": 0, "log": [], "evals": [],
                  "corpus": {"train": dataclasses.asdict(train_set), "heldout": dataclasses.asdict(heldout)}}
-        covered = float(head.t2d[train_set.tokens[torch.arange(train_set.tokens.shape[1])[None]
-                                                  < train_set.lengths[:, None]]].float().mean())
+        covered = float(counts[head.draft_ids.cpu()].sum() / counts.sum())
         log.info("corpus: %d training tokens in %d windows, %d held-out windows; draft vocabulary %d covers "
                  "%.1f%% of training tokens", train_set.n_tokens, train_set.tokens.shape[0],
                  heldout.tokens.shape[0], cfg.draft_vocab, 100 * covered)
     else:
         train_set, heldout = Corpus(**state["corpus"]["train"]), Corpus(**state["corpus"]["heldout"])
         head = load_eagle3(out, target, dtype=torch.float32).requires_grad_(True).train()
-        head._shared_embedding = target.net.tok_embeddings.weight.detach().float()
         optimizer = torch.optim.AdamW(_trainable(head), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         optimizer.load_state_dict(state["optimizer"])
         log.info("resuming %s at step %d of %d", out, state["step"], cfg.steps)
