@@ -31,6 +31,7 @@ from graft_tk.decode import decode, encode_prompt
 from graft_tk.engine import Engine
 from graft_tk.errors import InputError
 from graft_tk.models import Model
+from graft_tk.models.eagle3 import Eagle3Head
 from graft_tk.prompts import Prompt
 
 from .profiles import profile_key
@@ -92,7 +93,7 @@ def config_of(trial: optuna.trial.FrozenTrial) -> tuple[str, GraftConfig]:
 class Task:
     """What one calibration measures: the model pair, the prompts, and how."""
     target: Model
-    drafter: Model | None
+    drafter: Model | Eagle3Head | None
     prompts: list[Prompt]           # tuning prompts
     validation: list[Prompt]        # held-out prompts: best vs default, after the search
     max_new_tokens: int
@@ -127,7 +128,7 @@ def default_storage() -> str:
     return f"sqlite:///{path}"
 
 
-def default_study_name(target: Model, drafter: Model | None, objectives: str) -> str:
+def default_study_name(target: Model, drafter: Model | Eagle3Head | None, objectives: str) -> str:
     key = profile_key(target, drafter)
     return f"{key.target} + {key.drafter or 'none'} | {key.device} | {key.dtype} | {objectives}"
 

@@ -90,6 +90,17 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(smollm2, trained, tmp_p
     assert torch.equal(a.d2t, b.d2t)
 
 
+def test_init_fine_tunes_a_trained_head(smollm2, trained, tmp_path):
+    out, _ = trained
+    small = dataclasses.replace(TINY, init=str(out), steps=1, stdlib_tokens=600, distill_prompts=0)
+    with pytest.raises(InputError, match="draft vocabulary of 4096; pass --draft-vocab 4096"):
+        train(smollm2, tmp_path / "bad", dataclasses.replace(small, draft_vocab=2048), progress=False)
+    train(smollm2, tmp_path / "ft", small, progress=False)
+    assert torch.equal(load_eagle3(out, smollm2).d2t, load_eagle3(tmp_path / "ft", smollm2).d2t)
+    start = json.loads((tmp_path / "ft" / "training_log.json").read_text())["evals"][0]
+    first = json.loads((out / "training_log.json").read_text())["evals"]
+    assert start["loss"] < first[0]["loss"] - 1.0      # it starts from the trained weights, not from scratch
+
 def test_bad_runs_are_clear_errors(smollm2, trained, tmp_path):
     out, _ = trained
     with pytest.raises(InputError, match="other settings.*lr"):

@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra training files: .jsonl rows with 'text' or 'prompt' + 'response', other files as "
                         "plain text (default: the Python standard library's sources and the target's own answers "
                         "to prompts built from its functions; never benchmark text)")
+    p.add_argument("--init", default=None, metavar="HEAD",
+                   help="start from this head's weights and draft vocabulary (fine-tune a trained or published head)")
     p.add_argument("--steps", type=int, default=_DEFAULTS.steps)
     p.add_argument("--draft-vocab", type=int, default=_DEFAULTS.draft_vocab,
                    help="reduced draft vocabulary: the most frequent target tokens of the corpus "
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                           ttt_depth=args.ttt_depth, draft_vocab=args.draft_vocab, stdlib_tokens=args.stdlib_tokens,
                           distill_prompts=args.distill_prompts, distill_tokens=args.distill_tokens,
-                          distill_weight=args.distill_weight, data=tuple(args.data), seed=args.seed,
+                          distill_weight=args.distill_weight, data=tuple(args.data), init=args.init, seed=args.seed,
                           save_every=args.save_every, mixed_precision=not args.fp32)
         target = load_model(args.model, dtype=args.dtype, device=args.device)
         t0 = time.perf_counter()

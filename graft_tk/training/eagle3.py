@@ -15,8 +15,9 @@ One training step, for a batch of token windows x_0..x_{T-1}:
    vocabulary, weighted 0.8^j; accuracy = how often the head's top token is the target's.
 
 Initialisation: the reduced lm_head and the final norm start as the target's own (rows of the
-draft vocabulary); everything else is random (seeded). The token embedding is the target's,
-shared and frozen, as EAGLE-3 trains it.
+draft vocabulary); everything else is random (seeded); or, with ``init``, a trained head's weights
+and vocabulary (fine-tuning). The token embedding is the target's, shared and frozen, as EAGLE-3
+trains it.
 
 A run lives in one folder: the head in the published layout (``load_eagle3`` reads it) plus
 ``trainer_state.pt`` (settings, corpus, optimizer, step, log) and ``training.png``, replaced
@@ -67,6 +68,7 @@ class TrainConfig:
     distill_tokens: int = 160        # tokens generated per answer
     distill_weight: int = 8          # each answer appears this many times per epoch (they are few and on-task)
     data: tuple[str, ...] = ()       # extra training files (see corpus.file_documents)
+    init: str | None = None          # start from this head's weights and vocabulary (fine-tuning)
     seed: int = 0
     save_every: int = 100
     mixed_precision: bool = True     # bf16 autocast for the head's matmuls (fp32 weights and optimizer)
@@ -273,7 +275,13 @@ def train(target: Model, out: str | Path, cfg: TrainConfig, restart: bool = Fals
         corpus = build_corpus(target, cfg, progress)
         train_set, heldout = corpus.split(min(HELDOUT_WINDOWS, max(1, corpus.tokens.shape[0] // 10)), cfg.seed)
         counts = train_set.token_counts(target.config.vocab_size)
-        head = init_head(target, draft_vocab(counts, cfg.draft_vocab), cfg.seed)
+        if cfg.init:
+            head = load_eagle3(cfg.init, target, dtype=torch.float32).requires_grad_(True).train()
+            if head.config.draft_vocab_size != cfg.draft_vocab:
+                raise InputError(f"--init {cfg.init} has a draft vocabulary of {head.config.draft_vocab_size}; "
+                                 f"pass --draft-vocab {head.config.draft_vocab_size}")
+        else:
+            head = init_head(target, draft_vocab(counts, cfg.draft_vocab), cfg.seed)
         optimizer = torch.optim.AdamW(_trainable(head), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         state = {"version": STATE_VERSION, "target": target.name, "step": 0, "log": [], "evals": [],
                  "corpus": {"train": dataclasses.asdict(train_set), "heldout": dataclasses.asdict(heldout)}}
