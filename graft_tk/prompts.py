@@ -35,13 +35,10 @@ def spec_bench_path() -> Path | None:
     return None
 
 
-def load_jsonl(path: Path, default_category: str = "custom") -> list[Prompt]:
-    """Spec-Bench rows (``turns``: the first turn is the prompt) or rows with a ``prompt`` field."""
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"prompt file {path} does not exist")
-    out = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+def jsonl_rows(path: Path, expected: str):
+    """(line number, object) for each non-blank line; InputError names the line that is not a JSON
+    object (``expected`` says what the object should hold)."""
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -49,7 +46,17 @@ def load_jsonl(path: Path, default_category: str = "custom") -> list[Prompt]:
         except json.JSONDecodeError as e:
             raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from e
         if not isinstance(row, dict):
-            raise InputError(f"{path}:{lineno}: expected a JSON object with 'turns' or 'prompt'")
+            raise InputError(f"{path}:{lineno}: expected a JSON object with {expected}")
+        yield lineno, row
+
+
+def load_jsonl(path: Path, default_category: str = "custom") -> list[Prompt]:
+    """Spec-Bench rows (``turns``: the first turn is the prompt) or rows with a ``prompt`` field."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"prompt file {path} does not exist")
+    out = []
+    for lineno, row in jsonl_rows(path, "'turns' or 'prompt'"):
         text = row["turns"][0] if isinstance(row.get("turns"), list) and row["turns"] else row.get("prompt")
         if not isinstance(text, str) or not text.strip():
             raise InputError(f"{path}:{lineno}: needs a non-empty 'prompt' string or a 'turns' list")

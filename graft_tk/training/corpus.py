@@ -16,7 +16,6 @@ depends only on the step number, so a resumed run sees exactly the batches it wo
 from __future__ import annotations
 
 import ast
-import json
 import random
 import sysconfig
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from tqdm.auto import tqdm
 
 from ..errors import InputError
 from ..models import Model
+from ..prompts import jsonl_rows
 
 # Standard-library folders that are tests, GUI demos, generated tables or vendored data.
 _SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
@@ -116,16 +116,10 @@ def file_documents(paths: list[Path], model: Model) -> list[list[int]]:
             docs.append(model.tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"),
                                                add_special_tokens=False))
             continue
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-            if isinstance(row, dict) and isinstance(row.get("text"), str):
+        for lineno, row in jsonl_rows(path, "'text', or 'prompt' and 'response'"):
+            if isinstance(row.get("text"), str):
                 docs.append(model.tokenizer.encode(row["text"], add_special_tokens=False))
-            elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):
+            elif isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):
                 ids = encode_prompt(model, row["prompt"], chat=True)
                 docs.append(ids + model.tokenizer.encode(row["response"], add_special_tokens=False))
             else:
