@@ -88,8 +88,8 @@ def function_prompts(n: int, seed: int) -> list[str]:
 
 def distilled_documents(target: Model, n_prompts: int, max_new_tokens: int, seed: int,
                         progress: bool = True) -> list[list[int]]:
-    """Chat-formatted function prompts followed by the target's own greedy answers (fp-exact
-    speculative decoding with retrieval only: the same tokens as plain greedy, sooner)."""
+    """Chat-formatted function prompts followed by the target's own greedy answers (greedy
+    speculative decoding with retrieval only: in fp32 the same tokens as plain decoding, sooner)."""
     from ..decode import decode, encode_prompt
     from ..engine import Engine
 
