@@ -6,11 +6,11 @@ import json
 import logging
 import sys
 
+from ..bench import load_drafter
 from ..config import METHODS, USES_DRAFTER, GraftConfig
 from ..decode import decode
 from ..errors import GraftError
 from ..models import load_model
-from ..models.eagle3_checkpoint import load_eagle3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target: built-in name, checkpoint folder, .gguf file or cached HF repo id "
                         "(default: %(default)s)")
     p.add_argument("--drafter", default="qwen2.5-coder-0.5b",
-                   help="drafter for tree / pruned / graft; not loaded otherwise (default: %(default)s)")
+                   help="drafter for tree / pruned / graft: a model name or path, or self:L (the target's first L "
+                        "layers); not loaded otherwise (default: %(default)s)")
     p.add_argument("--eagle3", default=None, metavar="PATH",
                    help="draft with this EAGLE-3 head folder instead of --drafter (graft-train-eagle3 --out)")
     p.add_argument("--prompt", help="the prompt; read from stdin when omitted")
@@ -46,10 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     try:
         target = load_model(args.model, dtype=args.dtype, device=args.device)
-        drafter = None
-        if args.method in USES_DRAFTER:
-            drafter = (load_eagle3(args.eagle3, target) if args.eagle3 else
-                       load_model(args.drafter, dtype=args.dtype, device=args.device))
+        spec = f"eagle3:{args.eagle3}" if args.eagle3 else args.drafter
+        drafter = (load_drafter(spec, target, args.model, dtype=args.dtype, device=args.device)
+                   if args.method in USES_DRAFTER else None)
         overrides = {k: v for k, v in (("budget", args.budget), ("tau", args.tau), ("top_k", args.top_k),
                                        ("max_depth", args.max_depth)) if v is not None}
         # No flags: decode picks this pair's graft-calibrate profile, or the defaults.

@@ -168,11 +168,13 @@ class Corpus:
             if epoch not in orders:
                 orders[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
             picks.append(int(orders[epoch][pos]))
-        idx = torch.tensor(picks)
+        return self.take(torch.tensor(picks))
+
+    def take(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        """Windows ``idx`` -> (tokens [B, T], valid [B, T] bool), trimmed to the longest of them."""
         lengths = self.lengths[idx]
         T = int(lengths.max())
-        valid = torch.arange(T)[None] < lengths[:, None]
-        return self.tokens[idx, :T], valid
+        return self.tokens[idx, :T], torch.arange(T)[None] < lengths[:, None]
 
     def token_counts(self, vocab_size: int) -> Tensor:
         """How often each token id occurs (pads excluded), int64 [vocab_size]."""

@@ -194,13 +194,8 @@ def evaluate(target: Model, head: Eagle3Head, heldout: Corpus, cfg: TrainConfig)
     """Held-out loss and top-1 accuracy per unrolled step (accuracy of step j ~ a depth-(j+1) draft
     token matching the target's greedy choice, given its ancestors matched)."""
     losses, accs = [], []
-    n_batches = max(1, math.ceil(heldout.tokens.shape[0] / cfg.batch_size))
-    for i in range(n_batches):
-        idx = torch.arange(i * cfg.batch_size, min((i + 1) * cfg.batch_size, heldout.tokens.shape[0]))
-        T = int(heldout.lengths[idx].max())
-        valid = torch.arange(T)[None] < heldout.lengths[idx][:, None]
-        loss, acc = ttt_loss(head, target_batch(target, head, heldout.tokens[idx, :T], valid), cfg.ttt_depth,
-                             cfg.step_decay)
+    for idx in torch.arange(heldout.tokens.shape[0]).split(cfg.batch_size):
+        loss, acc = ttt_loss(head, target_batch(target, head, *heldout.take(idx)), cfg.ttt_depth, cfg.step_decay)
         losses.append(float(loss))
         accs.append(acc)
     return {"loss": sum(losses) / len(losses), "accuracy": [sum(a) / len(a) for a in zip(*accs)]}
@@ -311,8 +306,9 @@ def train(target: Model, out: str | Path, cfg: TrainConfig, restart: bool = Fals
     try:
         for step in bar:
             t0 = time.perf_counter()
+            lr = _lr(cfg, step)
             for group in optimizer.param_groups:
-                group["lr"] = _lr(cfg, step)
+                group["lr"] = lr
             tokens, valid = train_set.batch(step, cfg.batch_size, cfg.seed)
             batch = target_batch(target, head, tokens, valid)
             with torch.autocast(batch.tokens.device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision):
@@ -323,11 +319,9 @@ def train(target: Model, out: str | Path, cfg: TrainConfig, restart: bool = Fals
             updating = True
             optimizer.step()
             done, updating = step + 1, False
-            seconds = time.perf_counter() - t0
-            loss = loss.item()
-            state["log"].append({"step": done, "loss": loss, "accuracy": acc, "lr": _lr(cfg, step),
-                                 "tokens_per_s": int(valid.sum()) / seconds})
-            bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{acc[0]:.2f}", tok_s=f"{int(valid.sum()) / seconds:.0f}")
+            loss, tokens_per_s = loss.item(), int(valid.sum()) / (time.perf_counter() - t0)
+            state["log"].append({"step": done, "loss": loss, "accuracy": acc, "lr": lr, "tokens_per_s": tokens_per_s})
+            bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{acc[0]:.2f}", tok_s=f"{tokens_per_s:.0f}")
             if done % cfg.save_every == 0 or done == cfg.steps:
                 state["evals"].append({"step": done, **evaluate(target, head, heldout, cfg)})
                 save(done)
