@@ -16,10 +16,11 @@ from graft_tk.bench import load_drafter
 from graft_tk.calibration.profiles import find_profile, profile_key, weights_fingerprint, write_profile
 from graft_tk.cli import train_eagle3 as cli
 from graft_tk.config import GraftConfig
-from graft_tk.decode import encode_prompt
+from graft_tk.decode import decode, encode_prompt
 from graft_tk.errors import CorruptFileError, InputError
 from graft_tk.models.eagle3_checkpoint import load_eagle3
-from graft_tk.training.corpus import Corpus, draft_vocab, file_documents, function_prompts
+from graft_tk.models.transformer import attention_mask
+from graft_tk.training.corpus import Corpus, draft_vocab, file_documents, function_prompts, greedy_answers
 from graft_tk.training.eagle3 import STATE_FILE, TrainConfig, init_head, target_batch, train, unroll
 
 
@@ -164,6 +165,23 @@ def test_corpus_windows_batches_and_draft_vocabulary(smollm2, tmp_path):
     prompts = function_prompts(5, seed=0)
     assert len(prompts) == 5 and all("\ndef " in p for p in prompts)
     assert prompts == function_prompts(5, seed=0)
+
+
+def test_batched_distillation_is_plain_greedy_decoding(smollm2):
+    """Rows of different lengths share a batch, left-padded and each masked to its own tokens:
+    every answer is the tokens decode(method="ar") gives; a row ends at its end-of-sequence token."""
+    prompts = [encode_prompt(smollm2, t, chat=True) for t in function_prompts(3, seed=1)]
+    prompts.append(prompts[0][:9])  # much shorter than the rest: mostly padding in its batch
+    answers = greedy_answers(smollm2, prompts, 12, batch_size=3, progress=False)
+    for ids, answer in zip(prompts, answers):
+        assert answer == decode(smollm2, ids, method="ar", max_new_tokens=12).tokens
+
+    stop = answers[0][4]  # make the fifth token of the first answer an end-of-sequence token
+    config = dataclasses.replace(smollm2.config, eos_token_ids=(stop,))
+    stopped = greedy_answers(dataclasses.replace(smollm2, config=config), prompts, 12, batch_size=3, progress=False)
+    assert stopped == [a[:a.index(stop) + 1] if stop in a else a for a in answers] and len(stopped[0]) <= 5
+    with pytest.raises(InputError, match="per-sequence attn_mask"):
+        attention_mask("triton", 0, 2, torch.ones(1, 2, 2, dtype=torch.bool), None, "cpu")
 
 
 def test_generate_cli_drafts_with_the_trained_head(trained):

@@ -208,9 +208,14 @@ def attention_mask(backend: str, start: int, T: int, attn_mask: Tensor | None, m
     prefix = mask_prefix or 0
     if not 0 <= prefix <= start + T:
         raise InputError(f"mask_prefix must be in [0, start + T = {start + T}], got {mask_prefix}")
-    if attn_mask is not None and tuple(attn_mask.shape) != (T, start + T - prefix):
+    expected = (T, start + T - prefix)
+    if attn_mask is not None and (attn_mask.dim() not in (2, 3) or tuple(attn_mask.shape[-2:]) != expected):
         form = "[T, start + T]" if mask_prefix is None else "[T, start + T - mask_prefix]"
         raise InputError(f"attn_mask must be {form} = [{T}, {start + T - prefix}], got {list(attn_mask.shape)}")
+    if attn_mask is not None and attn_mask.dim() == 3:  # one mask per sequence, e.g. left-padded batches
+        if backend == "triton" or mask_prefix is not None:
+            raise InputError("a per-sequence attn_mask [B, T, S] needs the torch attention backend and no mask_prefix")
+        return AttentionMask(full=attn_mask[:, None])  # [B, 1, T, S]: SDPA broadcasts over heads
     if backend == "triton":
         # Imported here: graft_tk.kernels sets TRITON_INTERPRET before any kernel exists, and a
         # torch-only user never imports Triton.
@@ -277,7 +282,8 @@ class Transformer(nn.Module):
 
         tokens:      [B, T] int64 token ids, written to cache slots [start, start + T)
         positions:   [B, T] or [T] int64 RoPE positions (prefix_len + depth for tree nodes)
-        attn_mask:   [T, start + T] bool, True = may attend; None = causal
+        attn_mask:   [T, start + T] bool, True = may attend; None = causal; [B, T, start + T]
+                     gives each sequence its own mask (torch backend), e.g. a left-padded batch
         last_only:   return logits of the last token only ([B, 1, V]), e.g. after prefill
         mask_prefix: split form of attn_mask: slots [0, mask_prefix) are visible to every new
                      token and attn_mask is [T, start + T - mask_prefix] over the slots after

@@ -5,8 +5,9 @@ Three sources, each a list of token-id documents:
 * ``stdlib_documents``: the source files of the Python standard library that runs this process
   (ships with every Python; code, like the HumanEval task the heads are measured on);
 * ``distilled_documents``: the target's own greedy answers to prompts built from standard-library
-  functions (signature + docstring, "complete this function"), chat template applied: exactly the
-  text a head sees when it drafts for this target (EAGLE trains on the target's own outputs too);
+  functions and methods (signature + docstring, "complete this function"), chat template applied:
+  exactly the text a head sees when it drafts for this target (EAGLE trains on the target's own
+  outputs too), generated in batches (``greedy_answers``);
 * ``file_documents``: the user's files (``--data``): .jsonl rows with ``text`` or
   ``prompt`` + ``response``, anything else read as plain text.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import ast
 import random
 import sysconfig
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from tqdm.auto import tqdm
 
 from ..errors import InputError
 from ..models import Model
+from ..models.transformer import causal_mask
 from ..prompts import jsonl_rows
 
 # Standard-library folders that are tests, GUI demos, generated tables or vendored data.
@@ -64,7 +67,8 @@ def stdlib_documents(model: Model, max_tokens: int, seed: int) -> list[list[int]
 
 
 def function_prompts(n: int, seed: int) -> list[str]:
-    """``n`` "complete this function" prompts from public standard-library functions with a docstring."""
+    """``n`` "complete this function" prompts from the public standard-library functions and
+    methods of public classes that have a docstring: signature + docstring, dedented."""
     candidates = []
     for path in stdlib_files():
         source = path.read_text(encoding="utf-8", errors="replace")
@@ -73,14 +77,16 @@ def function_prompts(n: int, seed: int) -> list[str]:
         except SyntaxError:
             continue
         lines = source.splitlines()
-        for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
+        functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
+        for cls in tree.body:
+            if isinstance(cls, ast.ClassDef) and not cls.name.startswith("_"):
+                functions += [node for node in cls.body if isinstance(node, ast.FunctionDef)]
+        for node in functions:
             doc = ast.get_docstring(node)
-            if doc is None or not 40 <= len(doc) <= 800:
+            if node.name.startswith("_") or doc is None or not 40 <= len(doc) <= 800:
                 continue
             header = "\n".join(lines[node.lineno - 1:node.body[0].end_lineno])
-            candidates.append(header)
+            candidates.append(textwrap.dedent(header))
     rng = random.Random(seed)
     rng.shuffle(candidates)
     return [f"{rng.choice(INSTRUCTIONS)}\n\n{c}\n" for c in candidates[:n]]
@@ -88,18 +94,55 @@ def function_prompts(n: int, seed: int) -> list[str]:
 
 def distilled_documents(target: Model, n_prompts: int, max_new_tokens: int, seed: int,
                         progress: bool = True) -> list[list[int]]:
-    """Chat-formatted function prompts followed by the target's own greedy answers (greedy
-    speculative decoding with retrieval only: in fp32 the same tokens as plain decoding, sooner)."""
-    from ..decode import decode, encode_prompt
-    from ..engine import Engine
+    """Chat-formatted function prompts followed by the target's own greedy answers."""
+    from ..decode import encode_prompt
 
-    engine = Engine(target)   # one engine: its adjacency matrix warms up across prompts
-    docs = []
-    for text in tqdm(function_prompts(n_prompts, seed), desc="distil", unit="prompt", disable=not progress):
-        ids = encode_prompt(target, text, chat=True)
-        out = decode(target, ids, method="retrieval", engine=engine, max_new_tokens=max_new_tokens)
-        docs.append(ids + out.tokens)
-    return docs
+    prompts = [encode_prompt(target, text, chat=True) for text in function_prompts(n_prompts, seed)]
+    answers = greedy_answers(target, prompts, max_new_tokens, progress=progress)
+    return [ids + answer for ids, answer in zip(prompts, answers)]
+
+
+@torch.inference_mode()
+def greedy_answers(target: Model, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 32,
+                   progress: bool = True) -> list[list[int]]:
+    """The target's greedy continuation of each prompt, up to and including its end-of-sequence token.
+
+    Prompts run ``batch_size`` at a time, left-padded, each row masked to its own tokens and
+    positioned from 0, so every row is plain greedy decoding of its prompt (the same tokens as
+    ``decode(method="ar")`` up to float rounding, since batched matmuls sum in another order).
+    A decode step on CPU is memory-bound: 32 rows cost about 5x one row's time.
+    """
+    net, device = target.net, target.device
+    eos = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long, device=device)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch together
+    answers: list[list[int]] = [[] for _ in prompts]
+    with tqdm(total=len(prompts), desc="distil", unit="prompt", disable=not progress) as bar:
+        for lo in range(0, len(order), batch_size):
+            rows = order[lo:lo + batch_size]
+            L = len(prompts[rows[-1]])
+            pad = torch.tensor([L - len(prompts[i]) for i in rows], device=device)
+            tokens = torch.tensor([[0] * (L - len(prompts[i])) + prompts[i] for i in rows], device=device)
+            net.setup_cache(L + max_new_tokens, len(rows))
+            slots = torch.arange(L + max_new_tokens, device=device)
+            real = slots[None, :] >= pad[:, None]                     # [B, S]: slot holds a token of the row
+            positions = (slots[None, :] - pad[:, None]).clamp(min=0)  # [B, S]
+            # Pad queries see themselves only, so that no softmax row is empty (NaN in the cache).
+            mask = (real[:, None, :L] & causal_mask(0, L, device)) | torch.eye(L, dtype=torch.bool, device=device)
+            logits = net(tokens, positions[:, :L], 0, attn_mask=mask, last_only=True)
+            generated, done = [], torch.zeros(len(rows), dtype=torch.bool, device=device)
+            for step in range(max_new_tokens):
+                token = logits[:, -1].argmax(-1)
+                generated.append(token)
+                done |= torch.isin(token, eos)
+                if step + 1 == max_new_tokens or bool(done.all()):
+                    break
+                pos = L + step
+                logits = net(token[:, None], positions[:, pos:pos + 1], pos, attn_mask=real[:, None, :pos + 1])
+            for row, seq in zip(rows, torch.stack(generated, dim=1).tolist()):
+                stop = next((j for j, t in enumerate(seq) if t in target.eos_token_ids), len(seq) - 1)
+                answers[row] = seq[:stop + 1]
+            bar.update(len(rows))
+    return answers
 
 
 def file_documents(paths: list[Path], model: Model) -> list[list[int]]:
