@@ -150,6 +150,11 @@ def test_corpus_windows_batches_and_draft_vocabulary(smollm2, tmp_path):
     assert torch.equal(a, b) and a.shape[1] == int(valid.sum(1).max())
     seen = torch.cat([corpus.batch(s, 2, seed=1)[0][:, 0] for s in range(2)])
     assert sorted(seen.tolist()) == sorted(corpus.tokens[:, 0].tolist())   # an epoch visits every window once
+    repeated = Corpus.from_documents(3 * [list(range(10, 30))] + [[1, 2, 3]], seq_len=8)   # 3 x 3 windows + 1
+    train_set, heldout = repeated.split(2, seed=0)
+    every, trained, held = ({tuple(w[:n]) for w, n in zip(c.tokens.tolist(), c.lengths.tolist())}
+                            for c in (repeated, train_set, heldout))
+    assert not trained & held and trained | held == every   # no copy of a held-out window is trained on
     counts = torch.tensor([5, 0, 7, 7, 1])
     d2t = draft_vocab(counts, 3)
     assert (torch.arange(3) + d2t).tolist() == [0, 2, 3]    # most frequent; the 7-7 tie kept in id order

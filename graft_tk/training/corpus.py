@@ -192,12 +192,19 @@ class Corpus:
         return int(self.lengths.sum())
 
     def split(self, n_heldout: int, seed: int) -> tuple[Corpus, Corpus]:
-        """(train, held-out) with ``n_heldout`` windows chosen by ``seed``."""
+        """(train, held-out) with ``n_heldout`` windows chosen by ``seed``. Every copy of a held-out
+        window leaves the training set (documents repeated by ``distill_weight``, a file that occurs
+        twice), so the held-out windows are unseen."""
         n = self.tokens.shape[0]
         if not 0 < n_heldout < n:
             raise InputError(f"the corpus has {n} windows; cannot hold out {n_heldout} for validation")
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-        held, train = order[:n_heldout].sort().values, order[n_heldout:].sort().values
+        held = order[:n_heldout].sort().values
+        windows = [tuple(row[:length]) for row, length in zip(self.tokens.tolist(), self.lengths.tolist())]
+        held_out = {windows[i] for i in held.tolist()}
+        train = torch.tensor([i for i in order[n_heldout:].sort().values.tolist() if windows[i] not in held_out])
+        if train.numel() == 0:
+            raise InputError(f"the corpus has {n} windows, all copies of the {n_heldout} held out for validation")
         return Corpus(self.tokens[train], self.lengths[train]), Corpus(self.tokens[held], self.lengths[held])
 
     def batch(self, step: int, batch_size: int, seed: int) -> tuple[Tensor, Tensor]:
