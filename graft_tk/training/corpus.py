@@ -112,8 +112,11 @@ def greedy_answers(target: Model, prompts: list[list[int]], max_new_tokens: int,
     ``decode(method="ar")`` up to float rounding, since batched matmuls sum in another order).
     A decode step on CPU is memory-bound: 32 rows cost about 5x one row's time.
     """
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     net, device = target.net, target.device
-    eos = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long, device=device)
+    eos_ids = set(target.eos_token_ids)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch together
     answers: list[list[int]] = [[] for _ in prompts]
     with tqdm(total=len(prompts), desc="distil", unit="prompt", disable=not progress) as bar:
@@ -139,7 +142,7 @@ def greedy_answers(target: Model, prompts: list[list[int]], max_new_tokens: int,
                 pos = L + step
                 logits = net(token[:, None], positions[:, pos:pos + 1], pos, attn_mask=real[:, None, :pos + 1])
             for row, seq in zip(rows, torch.stack(generated, dim=1).tolist()):
-                stop = next((j for j, t in enumerate(seq) if t in target.eos_token_ids), len(seq) - 1)
+                stop = next((j for j, t in enumerate(seq) if t in eos_ids), len(seq) - 1)
                 answers[row] = seq[:stop + 1]
             bar.update(len(rows))
     return answers

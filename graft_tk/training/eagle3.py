@@ -74,7 +74,8 @@ class TrainConfig:
     mixed_precision: bool = True     # bf16 autocast for the head's matmuls (fp32 weights and optimizer)
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "ttt_depth", "draft_vocab", "save_every", "distill_weight"):
+        for name in ("steps", "batch_size", "ttt_depth", "draft_vocab", "save_every", "distill_tokens",
+                     "distill_weight"):
             if getattr(self, name) < 1:
                 raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.seq_len < 8:
