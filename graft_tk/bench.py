@@ -128,8 +128,9 @@ class Plan:
                            self.seed)
 
 
-def cold_decode(target: Model, drafter: Model | Eagle3Head | None, method: str, config: GraftConfig | None, ids: list[int],
-                max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> tuple[list[int], dict]:
+def cold_decode(target: Model, drafter: Model | Eagle3Head | None, method: str, config: GraftConfig | None,
+                ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+                seed: int = 0) -> tuple[list[int], dict]:
     """One decode from a fresh Engine (cold adjacency matrix, no state from earlier runs): (tokens, stats)."""
     engine = None if method == "ar" else Engine(target, drafter, config)
     r = decode(target, ids, method=method, drafter=drafter, config=config, engine=engine,

@@ -102,6 +102,7 @@ def test_init_fine_tunes_a_trained_head(smollm2, trained, tmp_path):
     first = json.loads((out / "training_log.json").read_text())["evals"]
     assert start["loss"] < first[0]["loss"] - 1.0      # it starts from the trained weights, not from scratch
 
+
 def test_bad_runs_are_clear_errors(smollm2, trained, tmp_path):
     out, _ = trained
     with pytest.raises(InputError, match="other settings.*lr"):

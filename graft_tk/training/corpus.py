@@ -17,6 +17,7 @@ depends only on the step number, so a resumed run sees exactly the batches it wo
 from __future__ import annotations
 
 import ast
+import functools
 import random
 import sysconfig
 import textwrap
@@ -69,6 +70,15 @@ def stdlib_documents(model: Model, max_tokens: int, seed: int) -> list[list[int]
 def function_prompts(n: int, seed: int) -> list[str]:
     """``n`` "complete this function" prompts from the public standard-library functions and
     methods of public classes that have a docstring: signature + docstring, dedented."""
+    candidates = list(_documented_functions())
+    rng = random.Random(seed)
+    rng.shuffle(candidates)
+    return [f"{rng.choice(INSTRUCTIONS)}\n\n{c}\n" for c in candidates[:n]]
+
+
+@functools.lru_cache(maxsize=1)
+def _documented_functions() -> tuple[str, ...]:
+    """Signature + docstring of every candidate, in file order (parsing the library takes ~3 s: once)."""
     candidates = []
     for path in stdlib_files():
         source = path.read_text(encoding="utf-8", errors="replace")
@@ -87,9 +97,7 @@ def function_prompts(n: int, seed: int) -> list[str]:
                 continue
             header = "\n".join(lines[node.lineno - 1:node.body[0].end_lineno])
             candidates.append(textwrap.dedent(header))
-    rng = random.Random(seed)
-    rng.shuffle(candidates)
-    return [f"{rng.choice(INSTRUCTIONS)}\n\n{c}\n" for c in candidates[:n]]
+    return tuple(candidates)
 
 
 def distilled_documents(target: Model, n_prompts: int, max_new_tokens: int, seed: int,
