@@ -5,16 +5,24 @@ from dataclasses import dataclass
 
 from .errors import InputError
 
-# Methods, all at the same verification budget N so that comparisons are fair:
-#   ar         plain decoding, one target forward per token
-#   tree       drafter-only tree of fixed depth D, EAGLE-2 rerank to N
-#   pruned     drafter tree with calibrated dynamic depth (tau); freed budget left unused
-#   retrieval  Token Recycling: adjacency-matrix candidates only, no drafter
-#   graft      pruned drafter tree + retrieval candidates filling the freed budget
-#   pld        prompt lookup: the tokens that followed the last n-gram earlier in the context
-METHODS = ("ar", "tree", "pruned", "retrieval", "graft", "pld")
-USES_DRAFTER = {"tree", "pruned", "graft"}
-USES_RETRIEVAL = {"retrieval", "graft"}
+# Methods, all at the same verification budget N so that comparisons are fair. The sources of
+# candidate nodes are the drafter, the adjacency matrix (retrieval) and prompt lookup; every method
+# names the sources it uses, so each one's share can be measured on its own:
+#   ar             plain decoding, one target forward per token
+#   tree           drafter-only tree of fixed depth D, EAGLE-2 rerank to N
+#   pruned         drafter tree with calibrated dynamic depth (tau); freed budget left unused
+#   retrieval      Token Recycling: adjacency-matrix candidates only, no drafter
+#   graft          the paper's: pruned drafter tree + adjacency-matrix candidates in the freed budget
+#   pld            prompt lookup: the tokens that followed the last n-gram earlier in the context
+#   graft+pld      graft with prompt lookup as a third source
+#   tree+pld, retrieval+pld   the baselines with prompt lookup added
+# Whenever a method has several sources, the budget goes to the candidates likeliest to be
+# accepted (graft_tk.acceptance estimates it online; build_tree allocates).
+METHODS = ("ar", "tree", "pruned", "retrieval", "graft", "pld", "graft+pld", "tree+pld", "retrieval+pld")
+USES_DRAFTER = {"tree", "pruned", "graft", "graft+pld", "tree+pld"}
+USES_RETRIEVAL = {"retrieval", "graft", "graft+pld", "retrieval+pld"}
+USES_PROMPT_LOOKUP = {"pld", "graft+pld", "tree+pld", "retrieval+pld"}
+PRUNES = {"pruned", "graft", "graft+pld"}   # drafting stops, and drafted nodes are cut, below tau
 
 
 @dataclass(frozen=True)
@@ -26,9 +34,8 @@ class GraftConfig:
     retrieval_k: int = 8    # k: successors kept per token in the adjacency matrix M[V, k]
     template: tuple[int, ...] = (8, 21, 25, 15, 8, 3)  # retrieval template: nodes per level (TR's 80)
     warm_from_prefill: bool = True  # fill M from the prompt's logits before the first step
-    pld_tokens: int = 10    # prompt-lookup chain length (method pld, and graft's second source)
+    pld_tokens: int = 10    # prompt-lookup chain length (the *pld methods)
     pld_max_ngram: int = 3  # longest suffix n-gram looked up (down to 1)
-    graft_with_pld: bool = True  # graft also fills its freed budget with the prompt-lookup chain
 
     def __post_init__(self):
         _check(isinstance(self.budget, int) and self.budget >= 1, f"budget (N) must be an int >= 1, got {self.budget!r}")
@@ -45,9 +52,6 @@ class GraftConfig:
         _check(isinstance(self.pld_max_ngram, int) and self.pld_max_ngram >= 1,
                f"pld_max_ngram must be an int >= 1, got {self.pld_max_ngram!r}")
         object.__setattr__(self, "template", tuple(self.template))
-
-    def uses_prompt_lookup(self, method: str) -> bool:
-        return method == "pld" or (method == "graft" and self.graft_with_pld)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -1,7 +1,8 @@
 """The speculative decode loop: draft -> retrieve -> graft -> verify -> accept -> commit.
 
-An ``Engine`` holds what should outlive one request: the target, the drafter, the config and the
-token-successor adjacency matrix M, so a second request starts with M already warm.
+An ``Engine`` holds what should outlive one request: the target, the drafter, the config, the
+token-successor adjacency matrix M and the acceptance estimates the budget is allocated by, so a
+second request starts with both already warm.
 """
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from collections import Counter
 
 import torch
 
+from .acceptance import AcceptanceEstimates
 from .backend import LAUNCHES, attention_backend
-from .config import USES_DRAFTER, USES_RETRIEVAL, GraftConfig
+from .config import PRUNES, USES_DRAFTER, USES_PROMPT_LOOKUP, USES_RETRIEVAL, GraftConfig
 from .drafting import DraftPool, as_drafter
 from .models import Model
 from .models.eagle3 import Eagle3Head
 from .ops import ops_for
-from .reference.prompt_lookup import prompt_lookup
+from .reference.prompt_lookup import prompt_lookup_match
 from .reference.retrieval import new_adjacency, template_from_level_sizes, warm_adjacency
 from .sampling import next_token
 from .tree import PROMPT_LOOKUP, RETRIEVAL, SOURCE_NAMES, Tree
@@ -36,26 +38,34 @@ class Engine:
         self.template = template_from_level_sizes(self.config.template, self.config.retrieval_k).to(target.device)
         # M[V, k]: row t = the k tokens the target last ranked most likely after t (-1 = unknown).
         self.adjacency = new_adjacency(target.config.vocab_size, self.config.retrieval_k, target.device)
+        # P(accepted) of each source's candidates, learnt online: what build_tree ranks the budget by.
+        self.estimates = AcceptanceEstimates(self.template, self.config.pld_tokens, self.config.pld_max_ngram,
+                                             target.device)
         # Set to a list to record, per verified node, (source, depth, drafter score, accepted?):
         # graft-calibrate fits its score -> acceptance map from it. Off by default (host syncs).
         self.acceptance_log: list[tuple[int, int, float, bool]] | None = None
 
-    def _candidate_layout(self, use_pld: bool, use_retrieval: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(parents, source) of the grafted candidates: the prompt-lookup chain (node i under i - 1),
-        then the retrieval template (parents shifted past the chain)."""
+    def _candidate_layout(self, use_pld: bool, use_retrieval: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """(parents, source, spans) of the grafted candidates: the prompt-lookup chain (node i under
+        i - 1), then the retrieval template (parents shifted past the chain); spans[s] = the
+        [start, end) of source s (pld, retrieval) in the list, None when unused."""
         device, L = self.target.device, self.config.pld_tokens
         parents, source = [], []
+        pld_span = retrieval_span = None
         if use_pld:
             parents.append(torch.arange(-1, L - 1, device=device))
             source.append(torch.full((L,), PROMPT_LOOKUP, device=device))
+            pld_span = (0, L)
         if use_retrieval:
             shift = L if use_pld else 0
             tp = self.template.parents.long()
             parents.append(torch.where(tp < 0, -1, tp + shift))
             source.append(torch.full((self.template.n,), RETRIEVAL, device=device))
+            retrieval_span = (shift, shift + self.template.n)
         if not parents:
-            return torch.zeros(0, dtype=torch.int32, device=device), torch.zeros(0, dtype=torch.int8, device=device)
-        return torch.cat(parents).to(torch.int32), torch.cat(source).to(torch.int8)
+            return (torch.zeros(0, dtype=torch.int32, device=device), torch.zeros(0, dtype=torch.int8, device=device),
+                    (None, None))
+        return torch.cat(parents).to(torch.int32), torch.cat(source).to(torch.int8), (pld_span, retrieval_span)
 
     def generate(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
                  generator, on_tokens) -> tuple[list[int], dict]:
@@ -68,9 +78,10 @@ class Engine:
         cfg, ops, target, tnet = self.config, self.ops, self.target, self.target.net
         device, eos = target.device, set(target.eos_token_ids)
         use_drafter, use_retrieval = method in USES_DRAFTER, method in USES_RETRIEVAL
-        use_pld = cfg.uses_prompt_lookup(method)
-        log_tau = math.log(cfg.tau) if method in ("pruned", "graft") else -math.inf
-        cand_parents, cand_source = self._candidate_layout(use_pld, use_retrieval)
+        use_pld = method in USES_PROMPT_LOOKUP
+        log_tau = math.log(cfg.tau) if method in PRUNES else -math.inf
+        cand_parents, cand_source, (pld_span, retrieval_span) = self._candidate_layout(use_pld, use_retrieval)
+        estimates = self.estimates
         stats = _Stats(method, ops.backend)
         t0 = time.perf_counter()
         n = len(ids)
@@ -105,19 +116,23 @@ class Engine:
             else:
                 pool = DraftPool.empty(device)
             stats.add_time("draft", t)
-            # 3-6. Candidates for the freed budget: the prompt-lookup chain (when the context repeats,
-            # it is the likelier bet), then root-parallel retrieval from M; one op prunes and reranks
-            # the pool, grafts the candidates and emits the tree.
+            # 3-6. Candidates for the freed budget: the prompt-lookup chain and root-parallel retrieval
+            # from M, each with its estimated acceptance; one op prunes and reranks the pool, grafts
+            # the candidates, gives the N - 1 places to the likeliest nodes and emits the tree.
             t = time.perf_counter()
-            candidates = []
+            candidates, values, ngram = [], [], 0
             if use_pld:
-                chain = prompt_lookup(committed, cfg.pld_max_ngram, 1, cfg.pld_tokens)
+                chain, ngram = prompt_lookup_match(committed, cfg.pld_max_ngram, 1, cfg.pld_tokens)
                 candidates.append(torch.tensor(chain + [-1] * (cfg.pld_tokens - len(chain)), device=device))
+                values.append(estimates.pld_values(ngram))
             if use_retrieval:
                 candidates.append(ops.retrieve(self.adjacency, root, self.template))
+                values.append(estimates.retrieval_values())
             cand_tokens = torch.cat(candidates) if candidates else torch.zeros(0, dtype=torch.long, device=device)
+            cand_values = torch.cat(values) if values else torch.zeros(0, device=device)
             built = ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, root, log_tau,
-                                   cand_tokens, cand_parents, cand_source, cfg.budget)
+                                   cand_tokens, cand_parents, cand_source, cfg.budget,
+                                   estimates.draft_values(pool.scores), cand_values)
             tree = built.to_tree()                 # sync: the verify forward's size
             stats.add_time("retrieve", t)
             # 7. Verify the whole tree in one target forward with tree attention.
@@ -125,10 +140,13 @@ class Engine:
             logits, features = _forward(tnet, layers, tree.tokens[None], tree.positions(target_len), target_len,
                                         attn_mask=tree.attn_mask(), mask_prefix=target_len)
             stats.add_time("verify", t)
-            # 8. Accept the longest path the target agrees with, plus a bonus token; update M.
+            # 8. Accept the longest path the target agrees with, plus a bonus token; update M (when
+            # this method reads it) and the acceptance estimates.
             t = time.perf_counter()
             uniforms = (torch.rand(tree.n, generator=generator, device=device) if temperature > 0 else None)
-            path, n_path, bonus = ops.accept(tree, logits, self.adjacency, temperature, top_p, uniforms)
+            path, n_path, bonus = ops.accept(tree, logits, self.adjacency if use_retrieval else None,
+                                             temperature, top_p, uniforms)
+            estimates.update(built, path, pld_span, ngram, retrieval_span)
             m = int(n_path)                        # sync: how many tokens advance
             path = path[:m]
             node_slots = pool.slots_of(built.pool_index[:tree.n])

@@ -14,25 +14,50 @@ def check_sampling_args(temperature: float, top_p: float) -> None:
         raise InputError(f"top_p must be in (0, 1], got {top_p}")
 
 
-def target_probs(logits: Tensor, temperature: float, top_p: float) -> Tensor:
-    """The distribution the target samples from: softmax(logits / T), cut to the top-p nucleus.
+NUCLEUS_TOPK = 64   # the nucleus is looked for in each row's top 64 first; a wider one sorts that row
 
-    logits: [..., V] float32 -> probs [..., V] float32 summing to 1 over the last dim.
+
+def truncated_probs(logits: Tensor, temperature: float, top_p: float) -> Tensor:
+    """softmax(logits / T) with every token outside the top-p nucleus set to 0, NOT renormalised.
+
+    logits [..., V] float32 -> [..., V] float32. The nucleus is the shortest prefix of the tokens
+    sorted by probability (ties: lower token id first) whose mass reaches ``top_p``: a token is in
+    it when the mass sorted before it is < top_p. Found without sorting the vocabulary: the top
+    ``NUCLEUS_TOPK`` probabilities give the boundary probability p* and how many tokens equal to it
+    belong in (the lowest ids among them); a row whose nucleus is wider than that is sorted in full.
+    Every step is per row, so a row gives the same bits alone or in a batch (``accept`` relies on it).
     """
     probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it < top_p.
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    if top_p >= 1.0:
+        return probs
+    shape, V = probs.shape, probs.shape[-1]
+    flat = probs.reshape(-1, V)
+    top = flat.topk(min(NUCLEUS_TOPK, V), dim=-1).values                  # [R, k], descending
+    n_keep = ((top.cumsum(-1) - top) < top_p).sum(-1)                      # [R], >= 1
+    p_star = top.gather(-1, (n_keep - 1)[:, None])                         # boundary probability
+    n_above = (top > p_star).sum(-1)
+    wide = n_keep == top.shape[-1]                                         # the boundary may lie past the top-k
+    if top.shape[-1] < V and bool(wide.any()):                             # rare: flat rows; one host read
+        rows = wide.nonzero().squeeze(-1)
+        full = flat[rows].sort(dim=-1, descending=True).values
+        k_full = ((full.cumsum(-1) - full) < top_p).sum(-1)
+        p_full = full.gather(-1, (k_full - 1)[:, None])
+        n_keep[rows], p_star[rows], n_above[rows] = k_full, p_full, (full > p_full).sum(-1)
+    tie = flat == p_star
+    keep = (flat > p_star) | (tie & (tie.cumsum(-1) <= (n_keep - n_above)[:, None]))
+    return flat.masked_fill(~keep, 0.0).reshape(shape)
+
+
+def target_probs(logits: Tensor, temperature: float, top_p: float) -> Tensor:
+    """The distribution the target samples from: softmax(logits / T), cut to the top-p nucleus
+    (see ``truncated_probs``) and renormalised. logits [..., V] float32 -> probs summing to 1."""
+    probs = truncated_probs(logits, temperature, top_p)
+    return probs / probs.sum(-1, keepdim=True) if top_p < 1.0 else probs
 
 
 def next_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> Tensor:
     """logits [B, V] -> token ids [B] (argmax when temperature == 0)."""
     if temperature == 0.0:
         return logits.argmax(-1)
-    probs = target_probs(logits, temperature, top_p)
+    probs = truncated_probs(logits, temperature, top_p)   # multinomial renormalises
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

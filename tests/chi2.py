@@ -11,7 +11,10 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
 
 def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     """(statistic, degrees of freedom) of observed ``counts`` against ``probs``; outcomes expected
-    fewer than 5 times are pooled into one bin so the statistic is valid."""
+    fewer than 5 times are pooled into one bin so the statistic is valid. An outcome of
+    probability 0 that was observed (e.g. outside the top-p nucleus) makes the statistic inf."""
+    if counts[probs == 0].sum() > 0:
+        return float("inf"), max(int((probs > 0).sum()) - 1, 1)
     expected = probs * counts.sum()
     keep = expected >= 5
     obs = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)])

@@ -20,7 +20,7 @@ from graft_tk.reference.retrieval import RetrievalTemplate, default_template, re
 from graft_tk.tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT, Tree
 from tests.kernel_utils import DEVICE, on_device
 
-FIELDS = ("tokens", "parents", "depth", "source", "scores", "pool_index", "mask", "n_nodes")
+FIELDS = ("tokens", "parents", "depth", "source", "scores", "pool_index", "mask", "n_nodes", "cand_node")
 
 
 def make_pool(seed: int, vocab: int, top_k: int, max_depth: int, log_tau: float, garbage: bool = True):

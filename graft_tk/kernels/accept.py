@@ -15,8 +15,8 @@ rule. The work splits where a grid-wide dependency forces it:
 Exactness with the reference. Greedy: argmax and top-k are comparisons, no arithmetic, so the
 only question is ties: both take the lowest index (``torch.argmax`` does; ``torch.topk`` on CPU
 orders tied values arbitrarily, so tests keep the top-k ranks untied). Sampling: the target
-probabilities come from ``graft_tk.sampling.target_probs`` computed in torch before launch 1
-(softmax and the top-p nucleus sort are not re-implemented here), then both sides quantize them
+probabilities come from ``graft_tk.sampling.truncated_probs`` computed in torch before launch 1
+(softmax and the top-p nucleus are not re-implemented here), then both sides quantize them
 elementwise to int64 and do every sum, comparison and inverse-CDF step in integers — order
 independent, so a block-reduction here and torch's sum there give identical bits. The only float
 operation left, ``p * 2**38`` (and ``u * 2**24``), is one exact multiply by a power of two, so
@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference.accept import PROB_BITS, UNIFORM_BITS
-from ..sampling import target_probs
+from ..sampling import truncated_probs
 from ..tree import Tree
 from ._common import launch, next_pow2
 
@@ -130,7 +130,7 @@ def _walk_kernel(
     # meta-parameters
     BLOCK_N: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_S: tl.constexpr, CHUNK_I: tl.constexpr,
-    SAMPLING: tl.constexpr, PROB_SCALE: tl.constexpr, UNIFORM_ONE: tl.constexpr,
+    SAMPLING: tl.constexpr, PROB_SCALE: tl.constexpr, UNIFORM_ONE: tl.constexpr, UPDATE_M: tl.constexpr,
 ):
     offs = tl.arange(0, BLOCK_N)
     valid = offs < n_nodes
@@ -203,20 +203,21 @@ def _walk_kernel(
     # (key = index, + N on the path). Rows i go CHUNK_I at a time against all N columns, so the
     # comparison stays ~4k elements; a row's on-path flag is read back from the stored path
     # (path[depth[i]] == i) after a barrier makes the path's stores visible to every thread.
-    tl.debug_barrier()
-    key = tl.where(on_path, n_nodes + offs, offs)
-    kk = tl.arange(0, K_PAD)
-    for i0 in range(0, n_nodes, CHUNK_I):
-        rows = i0 + tl.arange(0, CHUNK_I)
-        live = rows < n_nodes
-        tok_i = tl.load(tokens_ptr + rows, mask=live, other=-1)
-        depth_i = tl.load(depth_ptr + rows, mask=live, other=0)
-        key_i = tl.where(tl.load(path_ptr + depth_i, mask=live, other=-1) == rows, n_nodes + rows, rows)
-        later_dup = (tok_i[:, None] == tok[None, :]) & (key[None, :] > key_i[:, None]) & valid[None, :]
-        writer = live & (tl.max(later_dup.to(tl.int32), axis=1) == 0)
-        wmask = writer[:, None] & (kk < K)[None, :]
-        top = tl.load(topk_ptr + rows[:, None] * stride_tn + kk[None, :], mask=wmask, other=-1)
-        tl.store(adj_ptr + tok_i[:, None] * stride_adj_v + kk[None, :] * stride_adj_k, top, mask=wmask)
+    if UPDATE_M:
+        tl.debug_barrier()
+        key = tl.where(on_path, n_nodes + offs, offs)
+        kk = tl.arange(0, K_PAD)
+        for i0 in range(0, n_nodes, CHUNK_I):
+            rows = i0 + tl.arange(0, CHUNK_I)
+            live = rows < n_nodes
+            tok_i = tl.load(tokens_ptr + rows, mask=live, other=-1)
+            depth_i = tl.load(depth_ptr + rows, mask=live, other=0)
+            key_i = tl.where(tl.load(path_ptr + depth_i, mask=live, other=-1) == rows, n_nodes + rows, rows)
+            later_dup = (tok_i[:, None] == tok[None, :]) & (key[None, :] > key_i[:, None]) & valid[None, :]
+            writer = live & (tl.max(later_dup.to(tl.int32), axis=1) == 0)
+            wmask = writer[:, None] & (kk < K)[None, :]
+            top = tl.load(topk_ptr + rows[:, None] * stride_tn + kk[None, :], mask=wmask, other=-1)
+            tl.store(adj_ptr + tok_i[:, None] * stride_adj_v + kk[None, :] * stride_adj_k, top, mask=wmask)
 
 
 def _config(n_nodes: int, n_vocab: int, k: int) -> dict:
@@ -229,23 +230,27 @@ def _config(n_nodes: int, n_vocab: int, k: int) -> dict:
                 CHUNK_I=min(tile, block_n), walk_warps=4 if n_nodes <= 128 else 8)
 
 
-def accept(tree: Tree, logits: Tensor, adj: Tensor, temperature: float, top_p: float,
+def accept(tree: Tree, logits: Tensor, adj: Tensor | None, temperature: float, top_p: float,
            uniforms: Tensor | None = None, generator: torch.Generator | None = None
            ) -> tuple[Tensor, Tensor, Tensor]:
     """Triton version of ``graft_tk.reference.accept.accept`` (same arguments, outputs and in-place
     update of ``adj``); two launches, no host sync.
 
-    Greedy (temperature 0) runs entirely in the two kernels. Sampling first computes the target
-    probabilities with ``graft_tk.sampling.target_probs`` in torch (softmax at ``temperature``,
-    top-p nucleus), exactly as the reference does, and draws ``uniforms`` when none are given.
-    logits must be float32 (fp32 is what the target returns); N <= 1024, k <= 64.
+    Greedy (temperature 0) runs entirely in the two kernels. Sampling first computes every row's
+    nucleus-truncated probabilities with ``graft_tk.sampling.truncated_probs`` in torch (per row,
+    so the same bits as the reference's walk, which computes only the rows it visits; on a GPU all
+    N rows cost microseconds), and draws ``uniforms`` when none are given. ``adj=None`` skips the M
+    update. logits must be float32 (fp32 is what the target returns); N <= 1024, k <= 64.
     """
     n, vocab = logits.shape if logits.dim() == 2 else (-1, -1)
     if logits.dim() != 2 or n != tree.n or logits.dtype != torch.float32:
         raise ValueError(f"logits must be float32 [N={tree.n}, V], got {logits.dtype} {list(logits.shape)}")
     if tree.tokens.device != logits.device:
         raise ValueError(f"tree is on {tree.tokens.device}, logits on {logits.device}")
-    if adj.dim() != 2 or adj.dtype != torch.int32 or adj.shape[0] != vocab:
+    update_m = adj is not None
+    if not update_m:
+        adj = torch.full((1, 1), -1, dtype=torch.int32, device=logits.device)   # never written
+    elif adj.dim() != 2 or adj.dtype != torch.int32 or adj.shape[0] != vocab:
         raise ValueError(f"adj must be int32 [V={vocab}, k], got {adj.dtype} {list(adj.shape)}")
     k = adj.shape[1]
     if n > MAX_NODES or not 1 <= k <= min(MAX_K, vocab):
@@ -253,7 +258,7 @@ def accept(tree: Tree, logits: Tensor, adj: Tensor, temperature: float, top_p: f
     device = logits.device
     sampling = temperature != 0.0
     if sampling:
-        probs = target_probs(logits, temperature, top_p)
+        probs = truncated_probs(logits, temperature, top_p)
         if uniforms is None:
             uniforms = torch.rand(n, generator=generator, device=device)
         if uniforms.shape != (n,) or uniforms.device != device:
@@ -281,5 +286,5 @@ def accept(tree: Tree, logits: Tensor, adj: Tensor, temperature: float, top_p: f
            probs.stride(0), probs.stride(1), topk.stride(0), adj.stride(0), adj.stride(1),
            BLOCK_N=cfg["BLOCK_N"], K=k, K_PAD=cfg["K_PAD"], BLOCK_V=cfg["BLOCK_V"],
            BLOCK_S=cfg["BLOCK_S"], CHUNK_I=cfg["CHUNK_I"],
-           UNIFORM_ONE=2 ** UNIFORM_BITS, num_warps=cfg["walk_warps"], **meta)
+           UNIFORM_ONE=2 ** UNIFORM_BITS, UPDATE_M=update_m, num_warps=cfg["walk_warps"], **meta)
     return path, n_path, bonus

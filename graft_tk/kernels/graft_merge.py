@@ -46,20 +46,22 @@ _RANK_TILE = 2048   # pool-rank compares per step: P_PAD * BLOCK_J
 @triton.jit(do_not_specialize=["n_pool_arg"])
 def _build_tree_kernel(
     # pointers: inputs
-    pool_tokens_ptr, pool_parents_ptr, pool_scores_ptr, pool_depth_ptr, n_pool_ptr, root_ptr,
-    cand_tokens_ptr, cand_parents_ptr, cand_source_ptr,
-    # pointers: outputs, then int32 scratch [2, S_PAD]
+    pool_tokens_ptr, pool_parents_ptr, pool_scores_ptr, pool_values_ptr, pool_depth_ptr, n_pool_ptr, root_ptr,
+    cand_tokens_ptr, cand_parents_ptr, cand_source_ptr, cand_values_ptr,
+    # pointers: outputs, then scratch: int32 [2, S_PAD], float32 [S_PAD], union int64 [2, U_PAD], float32 [U_PAD]
     tokens_ptr, parents_ptr, depth_ptr, source_ptr, scores_ptr, pool_index_ptr, mask_ptr, n_nodes_ptr,
-    scratch_ptr,
+    cand_node_ptr, scratch_ptr, scratch_f_ptr, union_ptr, union_f_ptr,
     # sizes and scalars
     P, C, N, W, n_pool_arg, log_tau,
     # meta-parameters
-    P_PAD: tl.constexpr, C_PAD: tl.constexpr, N_PAD: tl.constexpr, W_PAD: tl.constexpr,
-    S_PAD: tl.constexpr, BLOCK_J: tl.constexpr, LOG_P: tl.constexpr, LOG_N: tl.constexpr,
-    N_POOL_FROM_PTR: tl.constexpr,
+    P_PAD: tl.constexpr, C_PAD: tl.constexpr, N_PAD: tl.constexpr, U_PAD: tl.constexpr, W_PAD: tl.constexpr,
+    S_PAD: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_UJ: tl.constexpr, LOG_P: tl.constexpr, LOG_N: tl.constexpr,
+    N_POOL_FROM_PTR: tl.constexpr, HAS_VALUES: tl.constexpr,
 ):
     scr_a = scratch_ptr
     scr_b = scratch_ptr + S_PAD
+    u_tok = union_ptr                   # int64: token of each union node
+    u_pidx = union_ptr + U_PAD          # int64: pool entry of each drafted union node
     # ---------------------------------------------------------------- 1. select (prune + rerank)
     if N_POOL_FROM_PTR:
         n_pool = tl.load(n_pool_ptr).to(tl.int32)
@@ -81,85 +83,133 @@ def _build_tree_kernel(
     chosen = eligible & (rank < N - 1)
 
     # ---------------------------------------------------------------- 2. close under parents
+    # ... and clamp each entry's value to its ancestors' (a path is never likelier than its prefix).
     pool_par = tl.load(pool_parents_ptr + pi, mask=in_pool, other=-1).to(tl.int32)
+    if HAS_VALUES:
+        val = tl.load(pool_values_ptr + pi, mask=in_pool, other=0.0).to(tl.float32)
+    else:
+        val = tl.zeros([P_PAD], tl.float32)
     ok = chosen.to(tl.int32)
     jump = pool_par
     for _ in tl.static_range(LOG_P):
         tl.store(scr_a + pi, ok)
         tl.store(scr_b + pi, jump)
+        tl.store(scratch_f_ptr + pi, val)
         tl.debug_barrier()      # RAW: the loads below read other threads' stores
         has = jump >= 0
         ok_up = tl.load(scr_a + jump, mask=has, other=1)
         jump_up = tl.load(scr_b + jump, mask=has, other=-1)
+        val_up = tl.load(scratch_f_ptr + jump, mask=has, other=0.0)
         tl.debug_barrier()      # WAR: next round's stores must wait for every thread's loads
         ok = ok & ok_up
+        val = tl.minimum(val, val_up)
         jump = tl.where(has, jump_up, -1)
     kept = ok > 0
+    val = tl.minimum(val, 0.0)                          # the root's value is log 1
 
     # ---------------------------------------------------------------- 3. place the drafted nodes
-    node = tl.cumsum(kept.to(tl.int32), 0)              # node index of a kept entry (root = 0)
+    node = tl.cumsum(kept.to(tl.int32), 0)              # union index of a kept entry (root = 0)
     n_draft = tl.sum(kept.to(tl.int32), 0)
     tl.store(scr_a + pi, tl.where(kept, node, -1))
     tl.debug_barrier()          # RAW: parents are looked up in other threads' node indices
     tree_par = tl.load(scr_a + pool_par, mask=kept & (pool_par >= 0), other=0)
-    tl.store(tokens_ptr + node, tl.load(pool_tokens_ptr + pi, mask=kept, other=0), mask=kept)
-    tl.store(parents_ptr + node, tree_par, mask=kept)
-    tl.store(depth_ptr + node, tl.load(pool_depth_ptr + pi, mask=kept, other=0).to(tl.int32), mask=kept)
-    tl.store(scores_ptr + node, score, mask=kept)
-    tl.store(pool_index_ptr + node, pi.to(tl.int64), mask=kept)
+    tl.store(u_tok + node, tl.load(pool_tokens_ptr + pi, mask=kept, other=0), mask=kept)
+    tl.store(u_pidx + node, pi.to(tl.int64), mask=kept)
+    tl.store(scratch_f_ptr + node, score, mask=kept)     # drafter scores, read back in phase 6
+    tl.store(union_f_ptr + node, val, mask=kept)
+    tl.store(scr_b + node, tree_par, mask=kept)
+    tl.store(depth_ptr + node, tl.load(pool_depth_ptr + pi, mask=kept, other=0).to(tl.int32), mask=kept & (node < N))
     tl.debug_barrier()          # RAW: the per-node reads below gather what the pool threads scattered
-    ni = tl.arange(0, N_PAD)
-    is_draft = (ni >= 1) & (ni <= n_draft)
-    tok_vec = tl.where(ni == 0, tl.load(root_ptr), tl.load(tokens_ptr + ni, mask=is_draft, other=-1))
-    par_vec = tl.where(ni == 0, -1, tl.load(parents_ptr + ni, mask=is_draft, other=-1))
-    dep_vec = tl.load(depth_ptr + ni, mask=is_draft, other=0)
-    src_vec = tl.where(ni == 0, _ROOT, tl.where(is_draft, _DRAFT, -1))
-    sc_vec = tl.where(ni == 0, 0.0, tl.load(scores_ptr + ni, mask=is_draft, other=float("-inf")))
-    pidx_vec = tl.load(pool_index_ptr + ni, mask=is_draft, other=-1)
-    tl.debug_barrier()          # WAR: phase 5 stores to the same outputs
+    ui = tl.arange(0, U_PAD)
+    is_draft = (ui >= 1) & (ui <= n_draft)
+    tok_vec = tl.where(ui == 0, tl.load(root_ptr), tl.load(u_tok + ui, mask=is_draft, other=-1))
+    par_vec = tl.where(ui == 0, -1, tl.load(scr_b + ui, mask=is_draft, other=-1))
+    dep_vec = tl.load(depth_ptr + ui, mask=is_draft & (ui < N), other=0)
+    src_vec = tl.where(ui == 0, _ROOT, tl.where(is_draft, _DRAFT, -1))
+    val_vec = tl.where(ui == 0, 0.0, tl.load(union_f_ptr + ui, mask=is_draft, other=float("-inf")))
+    tl.debug_barrier()          # WAR: phase 5 stores to the same buffers
 
-    # ---------------------------------------------------------------- 4. graft the candidates
+    # ---------------------------------------------------------------- 4. graft every candidate into the union
     ci = tl.arange(0, C_PAD)
-    mapped = tl.full([C_PAD], -1, tl.int32)            # candidate -> tree node, -1 = dropped
+    mapped = tl.full([C_PAD], -1, tl.int32)            # candidate -> union node, -1 = missing
     n = n_draft + 1
     for c in range(0, C):
         tok = tl.load(cand_tokens_ptr + c).to(tl.int64)
         tpar = tl.load(cand_parents_ptr + c).to(tl.int32)
         src = tl.load(cand_source_ptr + c).to(tl.int32)
+        if HAS_VALUES:
+            cval = tl.load(cand_values_ptr + c).to(tl.float32)
+        else:
+            cval = tl.full([], 0.0, tl.float32)
         parent = tl.where(tpar < 0, 0, tl.max(tl.where(ci == tpar, mapped, -1), 0))
         live = (tok >= 0) & (parent >= 0)
-        match = (ni >= 1) & (ni < n) & (par_vec == parent) & (tok_vec == tok)
-        found = tl.max(tl.where(match, ni, -1), 0)
-        add = live & (found < 0) & (n < N)
-        new_node = tl.where(add, n, -1)
-        mapped = tl.where(ci == c, tl.where(live & (found >= 0), found, new_node), mapped)
-        slot = add & (ni == n)
-        parent_depth = tl.max(tl.where(ni == parent, dep_vec, -1), 0)
+        match = (ui >= 1) & (ui < n) & (par_vec == parent) & (tok_vec == tok)
+        found = tl.max(tl.where(match, ui, -1), 0)
+        v = tl.minimum(cval, tl.max(tl.where(ui == parent, val_vec, float("-inf")), 0))
+        add = live & (found < 0)
+        target = tl.where(add, n, tl.where(live, found, -1))
+        mapped = tl.where(ci == c, target, mapped)
+        slot = add & (ui == n)
+        parent_depth = tl.max(tl.where(ui == parent, dep_vec, -1), 0)
         tok_vec = tl.where(slot, tok, tok_vec)
         par_vec = tl.where(slot, parent, par_vec)
         dep_vec = tl.where(slot, parent_depth + 1, dep_vec)
         src_vec = tl.where(slot, src, src_vec)
-        sc_vec = tl.where(slot, float("-inf"), sc_vec)
-        pidx_vec = tl.where(slot, -1, pidx_vec)
+        val_vec = tl.where(slot | (live & (ui == found)), tl.maximum(val_vec, v), val_vec)
         n += add.to(tl.int32)
 
-    # ---------------------------------------------------------------- 5. outputs + ancestor mask
-    pad = ni >= n
-    out = ni < N
-    tl.store(tokens_ptr + ni, tl.where(pad, -1, tok_vec), mask=out)
-    tl.store(parents_ptr + ni, tl.where(pad, -1, par_vec), mask=out)
-    tl.store(depth_ptr + ni, tl.where(pad, 0, dep_vec), mask=out)
-    tl.store(source_ptr + ni, tl.where(pad, -1, src_vec).to(tl.int8), mask=out)
-    tl.store(scores_ptr + ni, tl.where(pad, float("-inf"), sc_vec), mask=out)
-    tl.store(pool_index_ptr + ni, tl.where(pad, -1, pidx_vec), mask=out)
-    tl.store(n_nodes_ptr, n.to(tl.int64))
+    # ---------------------------------------------------------------- 5. the N - 1 likeliest nodes
+    # rank = union nodes j in [1, n) with a larger (value desc, index asc) key; keys via scratch
+    in_union = (ui >= 1) & (ui < n)
+    ukey = tl.where(in_union, _desc_key(val_vec, ui), _MIN_KEY)
+    tl.store(union_f_ptr + ui, val_vec)
+    tl.debug_barrier()          # RAW: every thread reads every node's value
+    urank = tl.zeros([U_PAD], tl.int32)
+    for j0 in range(0, U_PAD, BLOCK_UJ):
+        uj = j0 + tl.arange(0, BLOCK_UJ)
+        vj = tl.load(union_f_ptr + uj)
+        kj = tl.where((uj >= 1) & (uj < n), _desc_key(vj, uj), _MIN_KEY)
+        urank += tl.sum((kj[None, :] > ukey[:, None]).to(tl.int32), 1)
+    keep = (ui == 0) | (in_union & (urank < N - 1))
+    new_idx = tl.cumsum(keep.to(tl.int32), 0) - 1
+    n_out = tl.sum(keep.to(tl.int32), 0)
+    tl.store(scr_a + ui, tl.where(keep, new_idx, -1))
+    tl.debug_barrier()          # RAW: parents and candidates look up other threads' new indices
+    new_par = tl.where(ui == 0, -1, tl.load(scr_a + par_vec, mask=keep & (par_vec >= 0), other=-1))
+    tl.store(cand_node_ptr + ci, tl.load(scr_a + mapped, mask=(ci < C) & (mapped >= 0), other=-1), mask=ci < C)
 
+    # ---------------------------------------------------------------- 6. outputs + ancestor mask
+    drafted_kept = keep & is_draft
+    u_score = tl.load(scratch_f_ptr + ui, mask=drafted_kept, other=float("-inf"))
+    u_score = tl.where(ui == 0, 0.0, u_score)
+    u_pool = tl.load(u_pidx + ui, mask=drafted_kept, other=-1)
+    tl.debug_barrier()          # WAR: the depth loads above and the stores below share depth_ptr
+    dst = tl.where(keep, new_idx, 0)
+    tl.store(tokens_ptr + dst, tok_vec, mask=keep)
+    tl.store(parents_ptr + dst, new_par, mask=keep)
+    tl.store(depth_ptr + dst, dep_vec, mask=keep)
+    tl.store(source_ptr + dst, src_vec.to(tl.int8), mask=keep)
+    tl.store(scores_ptr + dst, u_score, mask=keep)
+    tl.store(pool_index_ptr + dst, u_pool, mask=keep)
+    ni = tl.arange(0, N_PAD)
+    pad = (ni >= n_out) & (ni < N)
+    tl.store(tokens_ptr + ni, tl.full([N_PAD], -1, tl.int64), mask=pad)
+    tl.store(parents_ptr + ni, tl.full([N_PAD], -1, tl.int32), mask=pad)
+    tl.store(depth_ptr + ni, tl.zeros([N_PAD], tl.int32), mask=pad)
+    tl.store(source_ptr + ni, tl.full([N_PAD], -1, tl.int8), mask=pad)
+    tl.store(scores_ptr + ni, tl.full([N_PAD], float("-inf"), tl.float32), mask=pad)
+    tl.store(pool_index_ptr + ni, tl.full([N_PAD], -1, tl.int64), mask=pad)
+    tl.store(n_nodes_ptr, n_out.to(tl.int64))
+    tl.debug_barrier()          # RAW: the mask rows follow the parents other threads just stored
+
+    out = ni < N
+    par_out = tl.load(parents_ptr + ni, mask=ni < n_out, other=-1)
     wi = tl.arange(0, W_PAD)
     # Own bit: column i is bit i % 32 of word i // 32 (bit 31 is the int32 sign bit).
     bits = tl.where(wi[None, :] == (ni // 32)[:, None], (1 << (ni % 32))[:, None], 0)   # [N_PAD, W_PAD]
     row_ptr = mask_ptr + ni[:, None] * W + wi[None, :]
     row_ok = out[:, None] & (wi[None, :] < W)
-    jump = tl.where(pad, -1, par_vec)                   # root and padding have no ancestors
+    jump = par_out                                      # root and padding have no ancestors
     for _ in tl.static_range(LOG_N):
         tl.store(row_ptr, bits, mask=row_ok)
         tl.store(scr_b + ni, jump)
@@ -175,19 +225,21 @@ def _build_tree_kernel(
 
 def _config(P: int, C: int, N: int) -> dict:
     """Heuristic meta-parameters. One program runs a dependent chain of small reductions, so few
-    warps (cheaper reductions and barriers) beat many; pads are >= 2 so no tile has a size-1 dim."""
-    p_pad, n_pad = max(2, next_pow2(P)), max(2, next_pow2(N))
-    return {"P_PAD": p_pad, "C_PAD": max(2, next_pow2(C)), "N_PAD": n_pad,
-            "W_PAD": max(2, next_pow2((N + 31) // 32)), "S_PAD": max(p_pad, n_pad),
-            "BLOCK_J": max(1, min(p_pad, _RANK_TILE // p_pad)),
+    warps (cheaper reductions and barriers) beat many; pads are >= 2 so no tile has a size-1 dim.
+    The union (root + drafted + every candidate) has at most N + C nodes."""
+    p_pad, n_pad, u_pad = max(2, next_pow2(P)), max(2, next_pow2(N)), max(2, next_pow2(N + C))
+    return {"P_PAD": p_pad, "C_PAD": max(2, next_pow2(C)), "N_PAD": n_pad, "U_PAD": u_pad,
+            "W_PAD": max(2, next_pow2((N + 31) // 32)), "S_PAD": max(p_pad, u_pad),
+            "BLOCK_J": max(1, min(p_pad, _RANK_TILE // p_pad)), "BLOCK_UJ": max(1, min(u_pad, _RANK_TILE // u_pad)),
             "LOG_P": (p_pad - 1).bit_length(), "LOG_N": (n_pad - 1).bit_length(),
-            "num_warps": 2 if max(p_pad, n_pad) <= 128 else 4}
+            "num_warps": 2 if max(p_pad, u_pad) <= 128 else 4}
 
 
 def build_tree(pool_tokens: torch.Tensor, pool_parents: torch.Tensor, pool_scores: torch.Tensor,
                pool_depth: torch.Tensor, n_pool: int | torch.Tensor, root_token: int | torch.Tensor,
                log_tau: float, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
-               cand_source: torch.Tensor, budget_n: int) -> BuiltTree:
+               cand_source: torch.Tensor, budget_n: int, pool_values: torch.Tensor | None = None,
+               cand_values: torch.Tensor | None = None) -> BuiltTree:
     """Triton version of ``graft_tk.reference.graft_merge.build_tree``: same arguments, same
     ``BuiltTree`` (shapes fixed by P, C, N; padding as documented there). One launch, no host
     sync; ``n_pool`` may be a device tensor (read by the kernel, clamped to [0, P]). Inputs must
@@ -200,13 +252,22 @@ def build_tree(pool_tokens: torch.Tensor, pool_parents: torch.Tensor, pool_score
         raise ValueError(f"pool tensors must be 1-D of one length P={P}")
     if cand_tokens.dim() != 1 or cand_parents.shape != (C,) or cand_source.shape != (C,):
         raise ValueError(f"cand_tokens, cand_parents, cand_source must be 1-D of one length C={C}")
+    if pool_values is not None and pool_values.shape != (P,):
+        raise ValueError(f"pool_values must be [P={P}], got {list(pool_values.shape)}")
+    if cand_values is not None and cand_values.shape != (C,):
+        raise ValueError(f"cand_values must be [C={C}], got {list(cand_values.shape)}")
     dev = pool_tokens.device
-    tensors = (pool_parents, pool_scores, pool_depth, cand_tokens, cand_parents, cand_source, n_pool, root_token)
+    tensors = (pool_parents, pool_scores, pool_depth, cand_tokens, cand_parents, cand_source, n_pool, root_token,
+               pool_values, cand_values)
     if any(isinstance(t, torch.Tensor) and t.device != dev for t in tensors):
         raise ValueError(f"every tensor argument must be on the pool's device ({dev})")
     from_ptr = isinstance(n_pool, torch.Tensor)
     if not from_ptr and not 0 <= n_pool <= P:
         raise ValueError(f"n_pool must be in [0, P={P}], got {n_pool}")
+    has_values = pool_values is not None or cand_values is not None
+    if has_values:   # one given: the other side ties at log 1, as in the reference
+        pool_values = (pool_values if pool_values is not None else torch.zeros(P, device=dev)).float().contiguous()
+        cand_values = (cand_values if cand_values is not None else torch.zeros(C, device=dev)).float().contiguous()
     root = torch.as_tensor(root_token, dtype=torch.int64, device=dev).reshape(1)
     cfg = _config(P, C, N)
     W = (N + 31) // 32
@@ -217,12 +278,18 @@ def build_tree(pool_tokens: torch.Tensor, pool_parents: torch.Tensor, pool_score
                     scores=torch.empty(N, dtype=torch.float32, device=dev),
                     pool_index=torch.empty(N, dtype=torch.int64, device=dev),
                     mask=torch.empty(N, W, dtype=torch.int32, device=dev),
-                    n_nodes=torch.empty((), dtype=torch.int64, device=dev))
+                    n_nodes=torch.empty((), dtype=torch.int64, device=dev),
+                    cand_node=torch.empty(C, dtype=torch.int32, device=dev))
     scratch = torch.empty(2 * cfg["S_PAD"], dtype=torch.int32, device=dev)
+    scratch_f = torch.empty(cfg["S_PAD"], dtype=torch.float32, device=dev)
+    union = torch.empty(2 * cfg["U_PAD"], dtype=torch.int64, device=dev)
+    union_f = torch.empty(cfg["U_PAD"], dtype=torch.float32, device=dev)
     n_pool_t = n_pool.reshape(1) if from_ptr else root   # any pointer; unread when n_pool is an int
+    values = (pool_values, cand_values) if has_values else (pool_scores, pool_scores)  # unread without values
     launch(_build_tree_kernel, (1,),
-           pool_tokens.contiguous(), pool_parents.contiguous(), pool_scores.contiguous(), pool_depth.contiguous(),
-           n_pool_t, root, cand_tokens.contiguous(), cand_parents.contiguous(), cand_source.contiguous(),
-           *out, scratch, P, C, N, W, 0 if from_ptr else int(n_pool), float(log_tau),
-           N_POOL_FROM_PTR=from_ptr, **cfg)
+           pool_tokens.contiguous(), pool_parents.contiguous(), pool_scores.contiguous(), values[0],
+           pool_depth.contiguous(), n_pool_t, root, cand_tokens.contiguous(), cand_parents.contiguous(),
+           cand_source.contiguous(), values[1],
+           *out, scratch, scratch_f, union, union_f, P, C, N, W, 0 if from_ptr else int(n_pool), float(log_tau),
+           N_POOL_FROM_PTR=from_ptr, HAS_VALUES=has_values, **cfg)
     return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..sampling import target_probs
+from ..sampling import truncated_probs
 from ..tree import Tree
 from .retrieval import update_adjacency
 
@@ -64,10 +64,10 @@ def quantize_uniforms(uniforms: Tensor) -> Tensor:
     return (uniforms.to(torch.float32) * float(2 ** UNIFORM_BITS)).to(torch.int64).clamp(0, 2 ** UNIFORM_BITS - 1)
 
 
-def accept(tree: Tree, logits: Tensor, adj: Tensor, temperature: float, top_p: float,
+def accept(tree: Tree, logits: Tensor, adj: Tensor | None, temperature: float, top_p: float,
            uniforms: Tensor | None = None, generator: torch.Generator | None = None
            ) -> tuple[Tensor, Tensor, Tensor]:
-    """Acceptance (greedy or lossless sampling) fused with the successor-matrix update; no host sync.
+    """Acceptance (greedy or lossless sampling) fused with the successor-matrix update.
 
     Parameters
     ----------
@@ -75,14 +75,15 @@ def accept(tree: Tree, logits: Tensor, adj: Tensor, temperature: float, top_p: f
         The verified tree, N nodes.
     logits : Tensor, float32 [N, V]
         Target logits at every node.
-    adj : Tensor, int32 [V, k]
+    adj : Tensor, int32 [V, k], or None
         The successor matrix M, updated in place: ``adj[tokens[i]] = topk(logits[i], k)`` for every
         node in the engine's write order (non-path nodes by index, then the accepted path root
-        first); a token at several nodes gets the row of the last writer in that order.
+        first); a token at several nodes gets the row of the last writer in that order. None:
+        no update (methods that never read M).
     temperature : float
         0 = greedy (then ``top_p``, ``uniforms`` and ``generator`` are ignored).
     top_p : float
-        Nucleus cut, applied by ``graft_tk.sampling.target_probs`` (in torch, on both backends).
+        Nucleus cut (``graft_tk.sampling.truncated_probs``).
     uniforms : Tensor, float32 [N], optional
         Pre-drawn uniforms in [0, 1): ``uniforms[c]`` decides child c when it is tried,
         ``uniforms[0]`` (the root is nobody's child) draws the bonus. Default: ``torch.rand(N)``
@@ -98,62 +99,76 @@ def accept(tree: Tree, logits: Tensor, adj: Tensor, temperature: float, top_p: f
         The token after the path: the argmax at the last accepted node (greedy), or a draw from
         the residual distribution there (sampling).
 
-    Sampling rule (DESIGN.md §1 step 8, in integers): at node u with q = quantize_probs(p_u) and
-    residual mass Q (initially sum(q)), children are tried in index order; child c is accepted
-    iff ``U[c] * Q < q[c] * 2**24`` (i.e. u_c < q[c] / Q), else Q -= q[c]. When none is accepted,
+    Sampling rule (DESIGN.md §1 step 8, in integers): at node u with q = quantize_probs of u's
+    nucleus-truncated probabilities and residual mass Q (initially sum(q): the renormalisation
+    is this integer sum, exact), children are tried in index order; child c is accepted iff
+    ``U[c] * Q < q[c] * 2**24`` (i.e. u_c < q[c] / Q), else Q -= q[c]. When none is accepted,
     the bonus is the first token x with ``cumsum(r)[x] * 2**24 > U[0] * R``, where r is q with
     u's children zeroed and R = sum(r) (inverse CDF). Each acceptance probability is the exact
     ratio of the quantized distribution up to the 2**-24 grid of U; tokens with p < 2**-38 are
     never drawn.
 
-    Vectorised: the decision for node i only needs its parent's q, the q of its earlier siblings
-    (the rejected ones, if i is tried) and U[i], so every node decides at once; the path is then
-    the deepest node all of whose ancestors were chosen, as in ``greedy_accept``.
-
-    Cost on CPU (one thread, N = 64, V = 151,936): greedy ~20 ms, the same as ``greedy_accept`` +
-    ``update_adjacency``. Sampling ~110 ms at top_p = 1 and ~1 s at top_p < 1, because every
-    row's target_probs is computed (and sorted, for the nucleus) — the price of deciding all nodes
-    at once with the kernel's exact arithmetic (a sequential walk touching only the visited rows
-    would take ~15 / ~28 ms; one code path for both backends was preferred).
+    Greedy is vectorised over all nodes (no host sync). Sampling walks from the root and computes
+    the target distribution only at the nodes it visits (the accepted path, at most depth + 1
+    rows), reading a few scalars per level: the CPU path, where a host read is free. The Triton
+    kernel decides every node at once from all N rows; both give the same bits.
     """
     n, vocab = logits.shape
     if tree.n != n:
         raise ValueError(f"logits must be [N={tree.n}, V], got {list(logits.shape)}")
     device = logits.device
-    parents = tree.parents.long()
-    par = parents.clamp(min=0)
     idx = torch.arange(n, device=device)
     if temperature == 0.0:
         argmax = logits.argmax(-1)                                          # ties: lowest index
-        chosen = tree.tokens == argmax[par]
+        chosen = tree.tokens == argmax[tree.parents.long().clamp(min=0)]
+        chosen[0] = True                                                    # the root is committed
+        mask = tree.attn_mask()                                             # [N, N] ancestor-or-self
+        reached = ~(mask & ~chosen[None, :]).any(-1)
+        last = torch.where(reached, tree.depth.long(), -1).argmax()         # unique: <= 1 chosen child per node
+        on_path = mask[last]
+        bonus = argmax[last]
     else:
         if uniforms is None:
             uniforms = torch.rand(n, generator=generator, device=device)
-        q = quantize_probs(target_probs(logits, temperature, top_p))        # [N, V]
-        u = quantize_uniforms(uniforms)                                     # [N]
-        q_node = q[par, tree.tokens]                                        # q of node i's token at its parent
-        earlier = (parents[None, :] == parents[:, None]) & (idx[None, :] < idx[:, None])  # [i, j]: j earlier sibling
-        mass = q.sum(-1)[par] - (earlier * q_node[None, :]).sum(-1)         # residual when i is tried
-        hit = u * mass < q_node << UNIFORM_BITS
-        chosen = hit & ~(earlier & hit[None, :]).any(-1)                    # the first sibling that hits
-    chosen[0] = True                                                        # the root is committed
-    mask = tree.attn_mask()                                                 # [N, N] ancestor-or-self
-    reached = ~(mask & ~chosen[None, :]).any(-1)
-    last = torch.where(reached, tree.depth.long(), -1).argmax()             # unique: <= 1 chosen child per node
-    on_path = mask[last]
+        on_path, last, bonus = _sampling_walk(tree, logits, temperature, top_p, quantize_uniforms(uniforms))
     # path[depth[j]] = j for every j on the path; off-path nodes all write the spare slot n.
     path = torch.full((n + 1,), -1, dtype=torch.int64, device=device)
     path = path.scatter_(0, torch.where(on_path, tree.depth.long(), n), idx)[:n]
     n_path = tree.depth[last].long() + 1
-    if temperature == 0.0:
-        bonus = argmax[last]
-    else:
-        kids = parents == last
-        kill = torch.zeros(vocab + 1, dtype=torch.bool, device=device)
-        kill.scatter_(0, torch.where(kids, tree.tokens, vocab), True)
-        residual = q[last].masked_fill(kill[:vocab], 0)
-        threshold = u[0] * residual.sum()
-        bonus = ((residual.cumsum(0) << UNIFORM_BITS) > threshold).long().argmax()   # first crossing
-    # M update in the engine's order: non-path nodes by index, then the path root first.
-    update_adjacency(adj, tree.tokens, logits, torch.argsort(on_path.long() * n + idx))
+    if adj is not None:   # M update in the engine's order: non-path nodes by index, then the path root first
+        update_adjacency(adj, tree.tokens, logits, torch.argsort(on_path.long() * n + idx))
     return path, n_path, bonus
+
+
+def _sampling_walk(tree: Tree, logits: Tensor, temperature: float, top_p: float, u: Tensor
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """(on_path bool [N], last node int64 [], bonus int64 []): the sampling rule, one visited row at a time."""
+    n, vocab = logits.shape
+    device = logits.device
+    tokens, parents, uq = tree.tokens.tolist(), tree.parents.tolist(), u.tolist()
+    kids: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        kids[parents[i]].append(i)
+    on_path = [0]
+    while True:
+        node = on_path[-1]
+        q = quantize_probs(truncated_probs(logits[node:node + 1], temperature, top_p)[0])   # int64 [V]
+        if not kids[node]:
+            break
+        q_kids = q[tree.tokens[kids[node]]].tolist()
+        left, nxt = int(q.sum()), -1
+        for c, qc in zip(kids[node], q_kids):
+            if uq[c] * left < qc << UNIFORM_BITS:
+                nxt = c
+                break
+            left -= qc
+        if nxt < 0:
+            break
+        on_path.append(nxt)
+    residual = q.clone()
+    residual[[tokens[c] for c in kids[node]]] = 0
+    threshold = uq[0] * int(residual.sum())
+    bonus = ((residual.cumsum(0) << UNIFORM_BITS) > threshold).long().argmax()   # first crossing
+    mask = torch.zeros(n, dtype=torch.bool, device=device)
+    mask[on_path] = True
+    return mask, torch.tensor(node, device=device), bonus

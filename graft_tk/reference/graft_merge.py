@@ -87,14 +87,36 @@ def graft_merge(draft: Tree, retrieved_tokens: Tensor, template: RetrievalTempla
 
 
 def graft_candidates(draft: Tree, cand_tokens: Tensor, cand_parents: Tensor, cand_source: Tensor,
-                     budget_n: int) -> Tree:
-    """``graft_merge`` for candidates from any number of sources, concatenated.
+                     budget_n: int, draft_values: Tensor | None = None, cand_values: Tensor | None = None
+                     ) -> Tree:
+    """``graft_merge`` for candidates from any number of sources, concatenated, with the budget
+    going to the likeliest nodes.
 
     cand_tokens int64 [C] (-1 = missing), cand_parents int [C] (-1 = child of the root, else an
     earlier candidate index), cand_source int8 [C] (source code of each candidate's new node).
-    Candidates are visited in index order with the rules of ``graft_merge``; a prompt-lookup
-    chain followed by the template (its parents shifted by the chain length) gives the same tree
-    as two ``graft_merge`` calls. Returns the merged tree (CPU reference: host loop, syncs).
+    draft_values float32 [draft.n] and cand_values float32 [C]: estimated log P(the node's whole
+    path is accepted); None = all equal (0), which fills the budget in index order, drafted
+    nodes first. See ``allocate`` for the rule. Returns the merged tree (CPU reference: host loop).
+    """
+    return allocate(draft, cand_tokens, cand_parents, cand_source, budget_n, draft_values, cand_values)[0]
+
+
+def allocate(draft: Tree, cand_tokens: Tensor, cand_parents: Tensor, cand_source: Tensor, budget_n: int,
+             draft_values: Tensor | None = None, cand_values: Tensor | None = None
+             ) -> tuple[Tree, list[int], list[int]]:
+    """The budget allocator: (tree of at most ``budget_n`` nodes, tree node of each candidate or -1,
+    the drafted nodes kept as indices into ``draft``).
+
+    1. Union: the drafted nodes (indices 1 .. draft.n - 1), then every candidate in index order.
+       A candidate is missing when its token is -1 or its parent is missing; when (parent node,
+       token) already exists it maps onto that node (so a retrieved chain continues beneath a
+       drafted node at no cost); otherwise it becomes a new union node.
+    2. Values: the root has log 1 = 0; a node's value is min(its own estimate, its parent's value)
+       (a path is never likelier than its prefix), and a candidate that maps onto an existing node
+       raises that node's value to its own clamped estimate if higher.
+    3. Selection: the N - 1 best non-root union nodes by (value desc, union index asc). A child's
+       value never exceeds its parent's and its index is larger, so the chosen set is closed under
+       parents; nodes keep their union order (parents before children).
     """
     if not isinstance(budget_n, int) or budget_n < 1:
         raise ValueError(f"budget_n must be an int >= 1, got {budget_n!r}")
@@ -104,10 +126,19 @@ def graft_candidates(draft: Tree, cand_tokens: Tensor, cand_parents: Tensor, can
     if cand_tokens.dim() != 1 or cand_parents.shape != (C,) or cand_source.shape != (C,):
         raise ValueError(f"cand_tokens, cand_parents, cand_source must be 1-D of one length, got "
                          f"{list(cand_tokens.shape)}, {list(cand_parents.shape)}, {list(cand_source.shape)}")
+    if cand_values is not None and cand_values.shape != (C,):
+        raise ValueError(f"cand_values must be [C={C}], got {list(cand_values.shape)}")
+    if draft_values is not None and draft_values.shape != (draft.n,):
+        raise ValueError(f"draft_values must be [n={draft.n}] (root first), got {list(draft_values.shape)}")
     tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
     depth, source = draft.depth.tolist(), draft.source.tolist()
+    value = _f32_list(draft_values, draft.n)
+    value[0] = 0.0
+    for i in range(1, draft.n):
+        value[i] = min(value[i], value[parents[i]])
+    cvalue = _f32_list(cand_values, C)
     node_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}
-    mapped: list[int] = []  # candidate -> tree node, -1 = dropped
+    mapped: list[int] = []  # candidate -> union node, -1 = missing
     for c, (tok, tpar, src) in enumerate(zip(cand_tokens.tolist(), cand_parents.tolist(), cand_source.tolist())):
         if not -1 <= tpar < c:
             raise ValueError(f"candidate {c} has parent {tpar}; need -1 (root) or an earlier candidate")
@@ -115,25 +146,42 @@ def graft_candidates(draft: Tree, cand_tokens: Tensor, cand_parents: Tensor, can
         if tok < 0 or parent < 0:
             mapped.append(-1)
             continue
+        v = min(cvalue[c], value[parent])
         node = node_of.get((parent, tok), -1)
-        if node < 0 and len(tokens) < budget_n:
+        if node < 0:
             node = len(tokens)
             node_of[(parent, tok)] = node
             tokens.append(tok)
             parents.append(parent)
             depth.append(depth[parent] + 1)
             source.append(src)
+            value.append(v)
+        else:
+            value[node] = max(value[node], v)
         mapped.append(node)
 
-    n_new = len(tokens) - draft.n
+    # 3. the N - 1 best by (value desc, index asc); a stable sort on -value keeps index order in ties
+    ranked = sorted(range(1, len(tokens)), key=lambda i: -value[i])
+    keep = sorted([0] + ranked[:budget_n - 1])
+    new_index = {old: new for new, old in enumerate(keep)}
     dev = draft.tokens.device
-    return Tree(
-        tokens=torch.tensor(tokens, dtype=torch.int64, device=dev),
-        parents=torch.tensor(parents, dtype=torch.int32, device=dev),
-        depth=torch.tensor(depth, dtype=torch.int32, device=dev),
-        source=torch.tensor(source, dtype=torch.int8, device=dev),
-        scores=torch.cat([draft.scores, torch.full((n_new,), float("-inf"), dtype=torch.float32, device=dev)]),
+    drafted = [i for i in keep if i < draft.n]
+    tree = Tree(
+        tokens=torch.tensor([tokens[i] for i in keep], dtype=torch.int64, device=dev),
+        parents=torch.tensor([new_index[parents[i]] if i else -1 for i in keep], dtype=torch.int32, device=dev),
+        depth=torch.tensor([depth[i] for i in keep], dtype=torch.int32, device=dev),
+        source=torch.tensor([source[i] for i in keep], dtype=torch.int8, device=dev),
+        scores=torch.cat([draft.scores[drafted],
+                          torch.full((len(keep) - len(drafted),), float("-inf"), dtype=torch.float32, device=dev)]),
     )
+    return tree, [new_index.get(m, -1) for m in mapped], drafted[1:]
+
+
+def _f32_list(values: Tensor | None, n: int) -> list[float]:
+    """Host copy of float32 values (0.0 each when None), rounded to float32 as the kernel sees them."""
+    if values is None:
+        return [0.0] * n
+    return values.to(torch.float32).tolist()
 
 
 # --------------------------------------------------------------------------- build_tree: the fused op
@@ -193,6 +241,7 @@ class BuiltTree(NamedTuple):
     pool_index: Tensor  # int64 [N]  pool entry of each drafted node, -1 otherwise
     mask: Tensor        # int32 [N, ceil(N/32)] ancestor bits, layout of Tree.packed_mask
     n_nodes: Tensor     # int64 []   valid prefix length
+    cand_node: Tensor   # int32 [C]  tree node each candidate landed on (new or shared), -1 if not in the tree
 
     def to_tree(self) -> Tree:
         """The valid prefix as a ``Tree``: reads ``n_nodes`` (the step's one host sync here)."""
@@ -213,8 +262,10 @@ def _pack_rows(mask: Tensor) -> Tensor:
 
 def build_tree(pool_tokens: Tensor, pool_parents: Tensor, pool_scores: Tensor, pool_depth: Tensor,
                n_pool: int | Tensor, root_token: int | Tensor, log_tau: float,
-               cand_tokens: Tensor, cand_parents: Tensor, cand_source: Tensor, budget_n: int) -> BuiltTree:
-    """Prune + rerank the drafter's pool, graft the retrieval candidates, emit the tree tensors.
+               cand_tokens: Tensor, cand_parents: Tensor, cand_source: Tensor, budget_n: int,
+               pool_values: Tensor | None = None, cand_values: Tensor | None = None) -> BuiltTree:
+    """Prune + rerank the drafter's pool, graft the candidates, give the budget to the likeliest
+    nodes, emit the tree tensors.
 
     Parameters
     ----------
@@ -229,27 +280,37 @@ def build_tree(pool_tokens: Tensor, pool_parents: Tensor, pool_scores: Tensor, p
     cand_parents : int32 [C]     -1 = child of the root, else an earlier candidate index
     cand_source : int8 [C]       source code of each candidate (RETRIEVAL, PROMPT_LOOKUP)
     budget_n : int               N, nodes in the tree including the root, >= 1
+    pool_values : float32 [P]    estimated log P(accepted) of each pool entry (None: all 0)
+    cand_values : float32 [C]    estimated log P(whole path accepted) of each candidate (None: all 0)
 
     Returns
     -------
     BuiltTree of fixed shapes (see its docstring; ``.to_tree()`` slices to ``n_nodes``).
 
     Semantics: the pool entries scoring >= log_tau, the best N-1 by score (equal scores: lower
-    pool index first), closed under parents, become nodes 1.. in pool order (``select_nodes`` +
-    ``draft_as_tree``); the candidates are then grafted in index order (``graft_candidates``).
-    CPU reference: host loops, syncs; the kernel does the same on device in one launch.
+    pool index first), closed under parents, are the drafted candidates (``select_nodes``); they
+    and the grafted candidates then compete for the N - 1 places by estimated acceptance
+    (``allocate``). With no values given every node ties, so the drafted nodes are kept and the
+    candidates fill what is left in index order. CPU reference: host loops, syncs; the kernel does
+    the same on device in one launch.
     """
     P = pool_tokens.shape[0]
     if not isinstance(budget_n, int) or budget_n < 1:
         raise ValueError(f"budget_n must be an int >= 1, got {budget_n!r}")
     if pool_tokens.dim() != 1 or any(t.shape != (P,) for t in (pool_parents, pool_scores, pool_depth)):
         raise ValueError(f"pool tensors must be 1-D of one length P={P}")
+    if pool_values is not None and pool_values.shape != (P,):
+        raise ValueError(f"pool_values must be [P={P}], got {list(pool_values.shape)}")
     n = int(n_pool)
     if not 0 <= n <= P:
         raise ValueError(f"n_pool must be in [0, P={P}], got {n}")
     keep = select_nodes(pool_parents[:n], pool_scores[:n], budget_n - 1, log_tau)
     draft = draft_as_tree(pool_tokens, pool_parents, pool_scores, pool_depth, keep, root_token)
-    tree = graft_candidates(draft, cand_tokens, cand_parents, cand_source, budget_n)
+    draft_values = None
+    if pool_values is not None:
+        draft_values = torch.cat([torch.zeros(1, device=pool_values.device), pool_values[keep].float()])
+    tree, cand_node, kept_drafted = allocate(draft, cand_tokens, cand_parents, cand_source, budget_n,
+                                             draft_values, cand_values)
 
     N, m, dev = budget_n, tree.n, pool_tokens.device
 
@@ -258,9 +319,11 @@ def build_tree(pool_tokens: Tensor, pool_parents: Tensor, pool_scores: Tensor, p
 
     mask = torch.eye(N, dtype=torch.bool, device=dev)
     mask[:m, :m] = tree.attn_mask()
+    # Kept drafted nodes come first after the root (union order); draft node i is pool entry keep[i - 1].
     pool_index = torch.full((N,), -1, dtype=torch.int64, device=dev)
-    pool_index[1:draft.n] = keep                                  # grafted nodes and padding: -1
+    pool_index[1:1 + len(kept_drafted)] = keep[torch.tensor(kept_drafted, dtype=torch.long, device=dev) - 1]
     return BuiltTree(tokens=pad(tree.tokens, -1, torch.int64), parents=pad(tree.parents, -1, torch.int32),
                      depth=pad(tree.depth, 0, torch.int32), source=pad(tree.source, -1, torch.int8),
                      scores=pad(tree.scores, float("-inf"), torch.float32), pool_index=pool_index,
-                     mask=_pack_rows(mask), n_nodes=torch.tensor(m, dtype=torch.int64, device=dev))
+                     mask=_pack_rows(mask), n_nodes=torch.tensor(m, dtype=torch.int64, device=dev),
+                     cand_node=torch.tensor(cand_node, dtype=torch.int32, device=dev))

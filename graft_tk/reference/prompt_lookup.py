@@ -23,6 +23,12 @@ def prompt_lookup(tokens: Sequence[int] | np.ndarray, max_ngram: int = 3, min_ng
     Returns up to ``max_tokens`` token ids; empty when no suffix n-gram occurs earlier.
     Cost: O(len(tokens) * n) vectorised numpy per n — well under a millisecond at 4k tokens.
     """
+    return prompt_lookup_match(tokens, max_ngram, min_ngram, max_tokens)[0]
+
+
+def prompt_lookup_match(tokens: Sequence[int] | np.ndarray, max_ngram: int = 3, min_ngram: int = 1,
+                        max_tokens: int = 10) -> tuple[list[int], int]:
+    """``prompt_lookup``'s proposal and the length of the n-gram it matched (0: no match)."""
     arr = np.asarray(tokens, dtype=np.int64)
     L = arr.shape[0]
     for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
@@ -32,5 +38,5 @@ def prompt_lookup(tokens: Sequence[int] | np.ndarray, max_ngram: int = 3, min_ng
         hits = np.flatnonzero((windows == arr[L - n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return arr[start:start + max_tokens].tolist()
-    return []
+            return arr[start:start + max_tokens].tolist(), n
+    return [], 0
