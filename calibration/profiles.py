@@ -4,10 +4,10 @@
 given. A profile is a JSON file under ``$GRAFT_TK_PROFILE_DIR`` (default
 ``$GRAFT_TK_HOME/profiles``), named after the target, drafter, device and dtype::
 
-    {"format": "graft_tk.profile/1",
+    {"format": "graft_tk.profile/2",
      "key": {"target": "qwen2.5-coder-1.5b", "target_weights": "cc32...", "drafter": ...,
              "drafter_weights": ..., "device": "cpu: Intel(R) Xeon(R) ...", "dtype": "bfloat16",
-             "graft_tk": "0.1.0"},
+             "graft_tk": "0.2.0"},
      "method": "graft", "config": {GraftConfig fields}, "measured": {tokens/s, MAT, ...}}
 
 The file name finds the profile; the full key decides whether it may be used. A profile whose
@@ -38,7 +38,7 @@ from graft_tk.models import Model
 from graft_tk.models.eagle3 import Eagle3Head
 from graft_tk.models.registry import STAMP, sha256_file
 
-FORMAT = "graft_tk.profile/1"
+FORMAT = "graft_tk.profile/2"   # /2: methods name their sources (graft, graft+pld, ...); no graft_with_pld
 
 
 class ProfileWarning(UserWarning):
@@ -150,6 +150,9 @@ def read_profile(path: Path) -> Profile:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptFileError(f"profile {path} is unreadable ({e}); {fix}") from e
+    if isinstance(doc, dict) and doc.get("format") == "graft_tk.profile/1":
+        raise CorruptFileError(f"profile {path} was written by graft_tk 0.1 (its 'graft' included prompt lookup, "
+                               f"now 'graft+pld'); {fix}")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptFileError(f"profile {path} is not a {FORMAT} file; {fix}")
     try:

@@ -101,6 +101,8 @@ class Task:
     objectives: str = "speed"
     repeats: int = 1
     seed: int = 0
+    temperature: float = 0.0        # > 0: trials sample (seeded); outputs are then not compared with ar's
+    top_p: float = 1.0
 
     def __post_init__(self):
         if self.objectives not in OBJECTIVES:
@@ -119,7 +121,7 @@ class Task:
         """What must match for a resumed study's trials to be comparable."""
         return {"prompts": [p.id for p in self.prompts], "max_new_tokens": self.max_new_tokens,
                 "methods": list(self.methods), "objectives": self.objectives, "repeats": self.repeats,
-                "graft_tk": __version__}
+                "temperature": self.temperature, "top_p": self.top_p, "graft_tk": __version__}
 
 
 def default_storage() -> str:
@@ -177,7 +179,7 @@ class Objective:
         for j, (ids, ref) in enumerate(zip(self.encoded, self.references)):
             runs = [run_decode(task, method, config, ids, task.max_new_tokens) for _ in range(task.repeats)]
             for tokens, _ in runs:
-                if tokens != ref:
+                if task.temperature == 0 and tokens != ref:
                     at = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), min(len(tokens), len(ref)))
                     reason = f"output differs from ar on prompt {task.prompts[j].id} at new token {at}"
                     trial.set_user_attr("failure", reason)
@@ -204,7 +206,8 @@ class Objective:
 
 def run_decode(task: Task, method: str, config: GraftConfig | None, ids: list[int], max_new_tokens: int):
     """One cold decode of the task's model pair (fresh Engine): (tokens, stats)."""
-    return cold_decode(task.target, task.drafter, method, config, ids, max_new_tokens)
+    return cold_decode(task.target, task.drafter, method, config, ids, max_new_tokens, task.temperature,
+                       task.seed, task.top_p)
 
 
 def reference_outputs(task: Task, prompts: list[Prompt]) -> tuple[list[list[int]], list[list[int]], list[float]]:
@@ -306,7 +309,7 @@ def validate(task: Task, configs: dict[str, tuple[str, GraftConfig]], repeats: i
         for _ in range(repeats):
             for name in order:
                 tokens, stats = run_decode(task, *configs[name], ids, task.max_new_tokens)
-                mismatches[name] += tokens != refs[j]
+                mismatches[name] += task.temperature == 0 and tokens != refs[j]
                 per[name].append(stats["tokens_per_s"])
         for name in names:
             s = sorted(per[name])[(len(per[name]) - 1) // 2]

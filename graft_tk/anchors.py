@@ -118,7 +118,7 @@ class HFAnchors:
         self._record(name, "error", f"{type(error).__name__}: {error}")
 
     def run(self, name: str, ids: list[int], max_new_tokens: int, temperature: float,
-            seed: int) -> tuple[list[int], dict]:
+            seed: int, top_p: float = 1.0) -> tuple[list[int], dict]:
         """One generate call -> (new tokens, stats with tokens / seconds / tokens_per_s)."""
         eos = self.target.eos_token_ids
         x = torch.tensor([ids], device=self.target.device)
@@ -127,7 +127,7 @@ class HFAnchors:
         kwargs = dict(attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                       eos_token_id=list(eos), pad_token_id=eos[0])
         if temperature > 0:
-            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=top_p)
             torch.manual_seed(seed)
         else:
             kwargs.update(do_sample=False, top_p=None, top_k=None, temperature=None)

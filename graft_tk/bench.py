@@ -103,6 +103,7 @@ class Plan:
     seed: int = 0
     repeats: int = 1
     anchors: HFAnchors | None = None
+    top_p: float = 1.0
 
     def __post_init__(self):
         if self.repeats < 1:
@@ -123,18 +124,18 @@ class Plan:
 
     def run_once(self, name: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
         if name not in self.methods:
-            return self.anchors.run(name, ids, max_new_tokens, self.temperature, self.seed)
+            return self.anchors.run(name, ids, max_new_tokens, self.temperature, self.seed, self.top_p)
         return cold_decode(self.target, self.drafter, name, self.config, ids, max_new_tokens, self.temperature,
-                           self.seed)
+                           self.seed, self.top_p)
 
 
 def cold_decode(target: Model, drafter: Model | Eagle3Head | None, method: str, config: GraftConfig | None,
                 ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-                seed: int = 0) -> tuple[list[int], dict]:
+                seed: int = 0, top_p: float = 1.0) -> tuple[list[int], dict]:
     """One decode from a fresh Engine (cold adjacency matrix, no state from earlier runs): (tokens, stats)."""
     engine = None if method == "ar" else Engine(target, drafter, config)
     r = decode(target, ids, method=method, drafter=drafter, config=config, engine=engine,
-               max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     return r.tokens, r.stats
 
 
@@ -305,7 +306,7 @@ def build_report(plan: Plan, rows: list[dict], args: dict | None = None) -> dict
         "config": {"target": plan.target.name, "drafter": plan.drafter.name if plan.drafter else None,
                    "dtype": str(plan.target.dtype).removeprefix("torch."), "device": str(plan.target.device),
                    "methods": list(plan.methods), "max_new_tokens": plan.max_new_tokens,
-                   "temperature": plan.temperature, "seed": plan.seed, "repeats": plan.repeats,
+                   "temperature": plan.temperature, "top_p": plan.top_p, "seed": plan.seed, "repeats": plan.repeats,
                    "graft": asdict(plan.config), "args": args or {}},
         "prompts": [{"id": p.id, "category": p.category} for p in plan.prompts],
         "anchors": plan.anchors.status if plan.anchors else {},

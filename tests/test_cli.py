@@ -21,9 +21,19 @@ def test_generate_json(smollm2):
 
 
 def test_generate_streams_text_then_stats_from_stdin(smollm2):
+    # smollm2 has no paired drafter: the default method is then retrieval+pld, and the user is told
     r = run("graft_tk.cli.generate", "--model", "smollm2-135m", "--max-new-tokens", "8", stdin="Say hi.")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() and "tok/s" in r.stderr
+    assert r.stdout.strip() and "running retrieval+pld" in r.stderr
+    assert "[retrieval+pld]" in r.stderr and "tokens/s" in r.stderr and "tokens per target forward" in r.stderr
+
+
+def test_generate_runs_graft_by_default_when_there_is_a_drafter(smollm2):
+    r = run("graft_tk.cli.generate", "--model", "smollm2-135m", "--drafter", "self:10", "--max-new-tokens", "24",
+            "--prompt", "Count from 1 to 30.")
+    assert r.returncode == 0, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("[graft] ") and "tokens/s" in last and "accepted per step: " in last, last
 
 
 def test_generate_unknown_model_exits_2_with_the_list():

@@ -20,7 +20,7 @@ from graft_tk.backend import LAUNCHES
 from graft_tk.kernels.accept import accept as accept_kernel
 from graft_tk.reference.accept import accept, greedy_accept, quantize_probs, quantize_uniforms
 from graft_tk.reference.retrieval import new_adjacency
-from graft_tk.sampling import target_probs
+from graft_tk.sampling import target_probs, truncated_probs
 from graft_tk.tree import Tree
 
 
@@ -56,8 +56,9 @@ def sequential_writes(adj, tree, logits, path, tie_stable=False):
 
 
 def sequential_sample_accept(tree, logits, temperature, top_p, uniforms):
-    """The integer sampling rule, walked node by node and child by child (the reference is vectorised)."""
-    q = quantize_probs(target_probs(logits, temperature, top_p)).tolist()
+    """The integer sampling rule, walked node by node and child by child over every row's quantized
+    nucleus (the renormalisation is the integer mass)."""
+    q = quantize_probs(truncated_probs(logits, temperature, top_p)).tolist()
     u = quantize_uniforms(uniforms).tolist()
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     path, node = [0], 0
@@ -266,3 +267,16 @@ def test_reference_sampling_is_lossless(top_p, one_thread):
     for counts, node in ((counts1, 0), (counts2, 1)):
         stat, df = chi2(counts, target_probs(logits[node], 1.0, top_p))
         assert stat < chi2_critical(df), (node, stat, df)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.7, 0.8)])
+def test_no_adjacency_skips_the_update_and_changes_nothing_else(temperature, top_p):
+    """Methods that never read M pass adj=None: same path and bonus, nothing written."""
+    tree = random_tree(13, 3, vocab=40, max_children=3)
+    logits = steered_logits(tree, 1100, 3)
+    uniforms = torch.rand(13, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    with_m = accept(tree, logits, new_adjacency(1100, 4, DEVICE), temperature, top_p, uniforms)
+    for fn in (accept, accept_kernel):
+        got = fn(tree, logits, None, temperature, top_p, uniforms)
+        for a, b in zip(got, with_m):
+            assert torch.equal(a, b)

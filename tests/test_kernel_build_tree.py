@@ -279,3 +279,81 @@ def test_bad_arguments():
             fn(*args[:4], args[0].shape[0] + 1, *args[5:])
         with pytest.raises(ValueError, match="pool tensors"):
             fn(args[0], args[1][:-1], *args[2:])
+
+
+# ------------------------------------------------------------------ the allocator: budget by estimated acceptance
+def random_values(args, seed):
+    """log P(accepted) per pool entry and per candidate, with ties between them (on DEVICE)."""
+    g = torch.Generator().manual_seed(seed + 77)
+    pool_values = -torch.rand(args[0].shape[0], generator=g) * 4
+    cand_values = -torch.rand(args[7].shape[0], generator=g) * 4
+    cand_values[::5] = pool_values[0]
+    return on_device(pool_values, cand_values)
+
+
+@pytest.mark.parametrize("N,log_tau", [(8, math.log(0.05)), (16, math.log(0.05)), (40, math.log(0.1)),
+                                       (64, math.log(0.2))])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_values_match_reference(seed, N, log_tau):
+    args, _ = realistic_args(seed, N, log_tau)
+    pool_values, cand_values = random_values(args, seed)
+    out = run_both(*args, pool_values, cand_values)
+    # every candidate that landed in the tree points at a node with its token
+    cand_node, tokens = out.cand_node.long(), out.tokens
+    landed = cand_node >= 0
+    assert torch.equal(tokens[cand_node[landed]], args[7][landed])
+
+
+def _no_pool():
+    empty = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    return empty, empty, torch.zeros(0, device=DEVICE), empty, 0
+
+
+def test_budget_goes_to_the_likeliest_candidates():
+    # Candidates: root children a, b, c (P = .5, .2, .1); x under a (.4), y under x (.3). With N = 4,
+    # index order would take a, b, c; by estimated acceptance the chain a -> x -> y wins.
+    cand = torch.tensor([1, 2, 3, 4, 5])
+    cpar = torch.tensor([-1, -1, -1, 0, 3], dtype=torch.int32)
+    csrc = torch.full((5,), RETRIEVAL, dtype=torch.int8)
+    values = torch.tensor([0.5, 0.2, 0.1, 0.4, 0.3]).log()
+    out = run_both(*_no_pool(), torch.tensor(9, device=DEVICE), 0.0, *on_device(cand, cpar, csrc), 4,
+                   None, values.to(DEVICE))
+    assert out.tokens.tolist() == [9, 1, 4, 5] and out.parents.tolist() == [-1, 0, 1, 2]
+    assert out.cand_node.tolist() == [1, -1, -1, 2, 3]
+    # without values: index order, the old BFS fill
+    plain = run_both(*_no_pool(), torch.tensor(9, device=DEVICE), 0.0, *on_device(cand, cpar, csrc), 4)
+    assert plain.tokens.tolist() == [9, 1, 2, 3]
+
+
+def test_drafted_nodes_compete_and_a_child_is_never_likelier_than_its_parent():
+    # Drafted: a (-0.1 score) with child b; their estimates are low (.05). Candidates: c at the root
+    # (.5), d under c with an estimate of .9 that is clamped to its parent's .5, e at the root (.3).
+    # N = 4: c (.5), d (.5, after c by index), e (.3) beat both drafted nodes.
+    tokens, parents = torch.tensor([10, 11]), torch.tensor([-1, 0])
+    scores, depths = torch.tensor([-0.1, -0.2]), torch.tensor([1, 2])
+    pool_values = torch.tensor([0.05, 0.05]).log()
+    cand = torch.tensor([12, 13, 14])
+    cpar = torch.tensor([-1, 0, -1], dtype=torch.int32)
+    csrc = torch.full((3,), RETRIEVAL, dtype=torch.int8)
+    cand_values = torch.tensor([0.5, 0.9, 0.3]).log()
+    out = run_both(*on_device(tokens, parents, scores, depths, 2, torch.tensor(1), -math.inf, cand, cpar, csrc, 4,
+                              pool_values, cand_values))
+    assert out.tokens.tolist() == [1, 12, 13, 14] and out.parents.tolist() == [-1, 0, 1, 0]
+    assert (out.pool_index == -1).all() and (out.source[1:] == RETRIEVAL).all()
+    # with N = 6 everything fits: drafted nodes first, in pool order, then the candidates
+    out = run_both(*on_device(tokens, parents, scores, depths, 2, torch.tensor(1), -math.inf, cand, cpar, csrc, 6,
+                              pool_values, cand_values))
+    assert out.tokens.tolist() == [1, 10, 11, 12, 13, 14] and out.pool_index.tolist() == [-1, 0, 1, -1, -1, -1]
+
+
+def test_a_candidate_on_a_drafted_node_raises_its_estimate():
+    # Drafted a (.05) and b (.04) at the root; a retrieval candidate repeats b with .6 and continues
+    # under it with x (.5). N = 3: b (.6) and x (.5) beat a.
+    tokens, parents = torch.tensor([10, 11]), torch.tensor([-1, -1])
+    scores, depths = torch.tensor([-0.1, -0.2]), torch.tensor([1, 1])
+    cand, cpar = torch.tensor([11, 20]), torch.tensor([-1, 0], dtype=torch.int32)
+    csrc = torch.full((2,), RETRIEVAL, dtype=torch.int8)
+    out = run_both(*on_device(tokens, parents, scores, depths, 2, torch.tensor(1), -math.inf, cand, cpar, csrc, 3,
+                              torch.tensor([0.05, 0.04]).log(), torch.tensor([0.6, 0.5]).log()))
+    assert out.tokens.tolist() == [1, 11, 20] and out.source.tolist() == [ROOT, DRAFT, RETRIEVAL]
+    assert out.pool_index.tolist() == [-1, 1, -1] and out.cand_node.tolist() == [1, 2]

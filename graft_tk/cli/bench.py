@@ -25,6 +25,7 @@ from ..config import GraftConfig
 from ..errors import GraftError, InputError
 from ..models import load_model
 from ..prompts import load_prompts
+from ..sampling import check_sampling_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,13 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(config_mod.METHODS),
                    help="comma list of methods; ar always runs as the baseline (default: %(default)s)")
     p.add_argument("--prompts", default="humaneval",
-                   help="humaneval | spec-bench | spec-bench:PATH | PATH.jsonl (default: %(default)s)")
+                   help="humaneval | spec-bench | spec-bench:PATH | math | mix | PATH.jsonl, or a comma list, each "
+                        "optionally SOURCE#K (its first K prompts per category); mix = humaneval#6,spec-bench#1,math "
+                        "(default: %(default)s)")
     p.add_argument("--n-per-category", type=int, default=None,
                    help="keep the first K prompts of each category (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default bf16; fp32 to judge exactness)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; exactness is checked)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus cut when sampling (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every method")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per (prompt, method); the median is kept")
     p.add_argument("--profile", action="store_true",
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
               "judge exactness with --dtype fp32 (DESIGN.md §6)", file=sys.stderr)
     m = report["machine"]
     print(f"\n{report['config']['target']} + {report['config']['drafter']}, {report['config']['dtype']}, "
-          f"{len(report['prompts'])} prompts, {args.max_new_tokens} new tokens, temperature {args.temperature}; "
+          f"{len(report['prompts'])} prompts, {args.max_new_tokens} new tokens, temperature {args.temperature}, "
+          f"top_p {args.top_p}; "
           f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}, "
           f"graft_tk {m['graft_tk']}")
     return 0
@@ -105,6 +110,7 @@ def _run(args) -> dict:
     if args.n_per_category is not None and args.n_per_category < 1:
         raise InputError(f"--n-per-category must be >= 1, got {args.n_per_category}")
     prompts = load_prompts(args.prompts, args.n_per_category)
+    check_sampling_args(args.temperature, args.top_p)
     overrides = {k: v for k, v in (("budget", args.budget), ("tau", args.tau), ("top_k", args.top_k),
                                    ("max_depth", args.max_depth)) if v is not None}
     config = GraftConfig(**overrides)
@@ -123,7 +129,8 @@ def _run(args) -> dict:
         config = dataclasses.replace(profile.config, **overrides)
         print(f"config from {profile.path}", file=sys.stderr)
     plan = bench.Plan(target, drafter, config, methods, prompts, args.max_new_tokens, args.temperature,
-                      args.seed, args.repeats, HFAnchors(target, drafter, anchors) if anchors else None)
+                      args.seed, args.repeats, HFAnchors(target, drafter, anchors) if anchors else None,
+                      top_p=args.top_p)
 
     total = len(prompts) * len(plan.run_names) * args.repeats
     with tqdm(total=total, desc="graft-bench", unit="run", disable=None, file=sys.stderr) as bar:

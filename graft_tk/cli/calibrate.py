@@ -23,6 +23,7 @@ from ..config import METHODS, USES_DRAFTER
 from ..errors import CorruptFileError, GraftError, InputError
 from ..models import load_model
 from ..prompts import Prompt, load_prompts
+from ..sampling import check_sampling_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "GRAFT_TK_HOME/profiles; decode reads the same place)")
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default bf16)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--seed", type=int, default=0, help="TPE sampler seed")
+    p.add_argument("--seed", type=int, default=0, help="TPE sampler seed (and the decodes' sampling seed)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="calibrate for sampling at this temperature (default 0: greedy, outputs checked against ar)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus cut when sampling (default: %(default)s)")
     p.add_argument("--show", action="store_true", help="list profiles and studies, then exit")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -83,6 +87,7 @@ def run(args) -> int:
     if bad or not methods:
         raise InputError(f"--methods: unknown or not speculative: {', '.join(bad) or args.methods!r}; "
                          f"choose from {', '.join(m for m in METHODS if m != 'ar')}")
+    check_sampling_args(args.temperature, args.top_p)
     if args.n_prompts < 1 or args.validate < 0:
         raise InputError("--n-prompts must be >= 1 and --validate >= 0")
     target = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -94,7 +99,7 @@ def run(args) -> int:
     tune, held_out = split_prompts(load_prompts(args.prompts), args.n_prompts, args.validate)
     task = search.Task(target=target, drafter=drafter, prompts=tune, validation=held_out,
                        max_new_tokens=args.max_new_tokens, methods=methods, objectives=args.objectives,
-                       repeats=args.repeats, seed=args.seed)
+                       repeats=args.repeats, seed=args.seed, temperature=args.temperature, top_p=args.top_p)
     storage = args.storage or search.default_storage()
     name = args.study_name or search.default_study_name(target, drafter, args.objectives)
     study = search.open_study(storage, name, task)

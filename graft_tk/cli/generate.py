@@ -1,4 +1,8 @@
-"""graft-generate: decode one prompt and stream the text, then print the statistics."""
+"""graft-generate: decode one prompt and stream the text, then print one line of statistics.
+
+By default it runs ``graft`` with the drafter that pairs with the model in the registry (the
+calibrated profile of the pair when graft-calibrate wrote one); a model with no paired drafter
+runs ``retrieval+pld``, which needs none."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +10,7 @@ import json
 import logging
 import sys
 
-from ..bench import load_drafter
+from ..bench import default_drafter, load_drafter
 from ..config import METHODS, USES_DRAFTER, GraftConfig
 from ..decode import decode
 from ..errors import GraftError
@@ -18,13 +22,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="qwen2.5-coder-1.5b",
                    help="target: built-in name, checkpoint folder, .gguf file or cached HF repo id "
                         "(default: %(default)s)")
-    p.add_argument("--drafter", default="qwen2.5-coder-0.5b",
-                   help="drafter for tree / pruned / graft: a model name or path, or self:L (the target's first L "
-                        "layers); not loaded otherwise (default: %(default)s)")
+    p.add_argument("--drafter", default=None,
+                   help="drafter for the drafting methods: a model name or path, or self:L (the target's first L "
+                        "layers); not loaded otherwise (default: the registry's pair for --model, e.g. "
+                        "qwen2.5-coder-0.5b for the 1.5B)")
     p.add_argument("--eagle3", default=None, metavar="PATH",
                    help="draft with this EAGLE-3 head folder instead of --drafter (graft-train-eagle3 --out)")
     p.add_argument("--prompt", help="the prompt; read from stdin when omitted")
-    p.add_argument("--method", default="ar", choices=METHODS)
+    p.add_argument("--method", default=None, choices=METHODS,
+                   help="default: graft when a drafter is known for --model, else retrieval+pld")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budget", type=int, default=None, help="N: tree nodes verified per step (GraftConfig)")
     p.add_argument("--tau", type=float, default=None, help="pruning threshold on drafter path probability")
@@ -46,8 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     try:
+        spec = f"eagle3:{args.eagle3}" if args.eagle3 else (args.drafter or default_drafter(args.model))
+        if args.method is None:
+            args.method = "graft" if spec is not None else "retrieval+pld"
+            if spec is None:
+                print(f"graft-generate: no drafter pairs with {args.model}; running retrieval+pld (pass --drafter "
+                      "NAME or self:L for graft)", file=sys.stderr)
         target = load_model(args.model, dtype=args.dtype, device=args.device)
-        spec = f"eagle3:{args.eagle3}" if args.eagle3 else args.drafter
         drafter = (load_drafter(spec, target, args.model, dtype=args.dtype, device=args.device)
                    if args.method in USES_DRAFTER else None)
         overrides = {k: v for k, v in (("budget", args.budget), ("tau", args.tau), ("top_k", args.top_k),
@@ -67,11 +78,20 @@ def main(argv: list[str] | None = None) -> int:
                           "stats": result.stats}, indent=1))
         return 0
     print()
-    s = result.stats
-    print(f"[{s['method']}] {s['tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_s']:.2f} tok/s, "
-          f"{s['steps']} steps, {s['mat']:.2f} tokens per target forward; config: {s['config_source']}",
-          file=sys.stderr)
+    print(summary_line(result.stats), file=sys.stderr)
     return 0
+
+
+def summary_line(s: dict) -> str:
+    """One line a newcomer understands: speed, tokens per target forward, where accepted tokens came from."""
+    line = f"[{s['method']}] {s['tokens']} tokens in {s['seconds']:.2f} s = {s['tokens_per_s']:.2f} tokens/s"
+    if s["method"] == "ar":
+        return line + " (plain decoding: one target forward per token)"
+    steps = max(s["steps"], 1)
+    by_source = ", ".join(f"{name.replace('_', ' ')} {n / steps:.2f}" for name, n in
+                          sorted(s["accepted_by_source"].items(), key=lambda kv: -kv[1])) or "none"
+    return (f"{line}; {s['mat']:.2f} tokens per target forward over {s['steps']} steps; accepted per step: "
+            f"{by_source} (+1 from the target itself); config: {s['config_source']}")
 
 
 class _Streamer:

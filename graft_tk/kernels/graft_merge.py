@@ -1,19 +1,24 @@
-"""build_tree in one Triton launch: prune + rerank the drafter's pool, build the drafted tree,
-graft the retrieval candidates, write fixed-shape tree tensors and the bit-packed ancestor mask.
-Same signature and outputs as ``graft_tk.reference.graft_merge.build_tree``.
+"""build_tree in one Triton launch: prune + rerank the drafter's pool, graft every candidate, give
+the N - 1 places to the nodes likeliest to be accepted, write fixed-shape tree tensors and the
+bit-packed ancestor mask. Same signature and outputs as ``graft_tk.reference.graft_merge.build_tree``.
 
-One program (grid (1,)): the work is a few hundred dependent steps over <= ~128 nodes, far too
+One program (grid (1,)): the work is a few hundred dependent steps over <= ~256 nodes, far too
 little to spread over programs, and a single program can synchronise with ``tl.debug_barrier``.
 Phases:
   1. select  rank every valid pool entry by the key (score desc, index asc) against all others,
              blocked [P_PAD, BLOCK_J] compares; keep rank < N-1 and score >= log_tau.
-  2. close   keep an entry only if all its ancestors are kept: pointer doubling over the pool,
-             ceil(log2 P) rounds through a scratch buffer (AND over ancestors at distance < 2^s).
-  3. place   node index = inclusive cumsum of kept (root is node 0); parents remapped through
-             scratch; the drafted nodes are scattered into the outputs and read back per node.
-  4. graft   one loop iteration per candidate, all state in registers ([N_PAD] node vectors,
-             [C_PAD] candidate -> node map): dedup by (parent, token) match, add while n < N.
-  5. mask    own bit, then ceil(log2 N) pointer-doubling rounds: row |= row[jump], jump = jump[jump],
+  2. close   keep an entry only if all its ancestors are kept, and clamp its value to theirs:
+             pointer doubling over the pool, ceil(log2 P) rounds through scratch buffers (AND and
+             min over ancestors at distance < 2^s).
+  3. place   union index = inclusive cumsum of kept (root is 0); parents remapped through scratch;
+             the drafted nodes are scattered into union buffers and read back per node.
+  4. graft   one loop iteration per candidate, all state in registers ([U_PAD] union vectors,
+             [C_PAD] candidate -> union node map): dedup by (parent, token) match (raising the
+             node's value), else a new union node with value min(estimate, parent's value).
+  5. choose  rank every union node by (value desc, index asc), blocked [U_PAD, BLOCK_UJ] compares;
+             keep rank < N-1 (closed under parents: a child never outranks its parent); output
+             index = cumsum of kept, parents and candidates remapped through scratch.
+  6. mask    own bit, then ceil(log2 N) pointer-doubling rounds: row |= row[jump], jump = jump[jump],
              with the output mask itself as the scratch the rows are gathered from.
 
 Why the barriers: a tensor is spread over the program's threads, so a value one thread stores to

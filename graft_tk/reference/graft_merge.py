@@ -1,7 +1,10 @@
 """Graft: merge retrieved candidates into the drafted tree, up to the verification budget N.
 
-The drafted tree keeps its nodes (they were ranked by drafter score); retrieval fills the
-budget that dynamic-depth pruning freed. Worked example (budget_n = 5)::
+Every candidate node (drafted, retrieved from the adjacency matrix, from prompt lookup) carries
+an estimate of log P(its whole path is accepted) (``graft_tk.acceptance``); the N - 1 places go
+to the highest estimates, parents before children (``allocate``). Without estimates every node
+ties and the budget fills in index order: the drafted nodes, then the candidates in template
+(BFS) order. Worked example of that case (budget_n = 5)::
 
     draft            tokens [r, a, b]  parents [-1, 0, 0]           (2 drafted nodes)
     template         parents [-1, -1, 0, 1]   retrieved [a, c, x, y]
