@@ -77,15 +77,19 @@ def _build_tree(budget: int, vocab: int = VOCAB, depth: int = 6):
         cand_parents = torch.cat([torch.arange(-1, L - 1), torch.where(tp < 0, -1, tp + L)]).to(torch.int32)
         cand_source = torch.tensor([PROMPT_LOOKUP] * L + [RETRIEVAL] * template.n, dtype=torch.int8)
         to = lambda t: t.to(device)  # noqa: E731
+        # estimated log P(accepted), as the engine passes them: drafted from the score, candidates falling with depth
+        cand_values = -torch.rand(L + template.n, generator=g) - torch.cat([torch.arange(L), template.depth.long()])
         return (to(tokens), to(parents), to(scores), to(depths), P, to(torch.tensor(7)), math.log(0.05),
-                to(torch.cat([chain, cand])), to(cand_parents), to(cand_source), budget)
+                to(torch.cat([chain, cand])), to(cand_parents), to(cand_source), budget, to(scores * 1.5),
+                to(cand_values))
     return build
 
 
-def _accept(nodes: int, vocab: int = VOCAB):
+def _accept(nodes: int, vocab: int = VOCAB, temperature: float = 0.0, top_p: float = 1.0):
     def build(device):
-        logits = torch.randn(nodes, vocab, generator=_gen()).to(device)
-        return branchy_tree(nodes, device), logits, new_adjacency(vocab, 8, device), 0.0, 1.0
+        logits = torch.randn(nodes, vocab, generator=_gen()).to(device) * 3
+        uniforms = torch.rand(nodes, generator=_gen(1)).to(device) if temperature > 0 else None
+        return branchy_tree(nodes, device), logits, new_adjacency(vocab, 8, device), temperature, top_p, uniforms
     return build
 
 
@@ -117,6 +121,7 @@ CASES = [
     Case("graft_merge", "build_tree", "P=84 C=90 N=64", _build_tree(64), quick=False),
     Case("accept", "accept", f"greedy N=16 V={VOCAB}", _accept(16)),
     Case("accept", "accept", f"greedy N=64 V={VOCAB}", _accept(64), quick=False),
+    Case("accept", "accept", f"sampling T=0.7 top_p=0.9 N=16 V={VOCAB}", _accept(16, temperature=0.7, top_p=0.9)),
     Case("kv_commit", "commit_kv", "28 layers, 2x128, n=6, bf16", _commit_kv(28, 2, 4096, 128, 6, torch.bfloat16)),
     Case("tree_attention", "tree_attention", "T=16 prefix=1024 12:2 d128 bf16", _tree_attention(16, 1024, torch.bfloat16)),
     Case("tree_attention", "tree_attention", "T=64 prefix=4096 12:2 d128 bf16",
