@@ -1,0 +1,56 @@
+"""What one forward costs with q new tokens: the cost curve a tree verify rides on.
+
+    python bench/forward_cost.py --model qwen2.5-coder-1.5b --dtype bf16 --q 1,4,16,32 --prefix 200
+
+Prints one markdown row per model (the target, and with --drafter its drafter): the median of
+--repeats forwards of q tokens after a prefix already in the KV cache, in milliseconds. A tree
+verify of N nodes costs about the q = N forward, so where this curve is flat the budget is nearly
+free and where it is steep (a CPU without AVX-512, quantized weights) the best N is small.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import graft_tk
+
+
+def forward_ms(model, q: int, prefix: int, repeats: int) -> float:
+    net, device = model.net, model.device
+    with torch.inference_mode():
+        net.setup_cache(prefix + q)
+        net(torch.randint(1000, (1, prefix), device=device), torch.arange(prefix, device=device), 0, last_only=True)
+        times = []
+        for _ in range(repeats + 1):                      # the first is a warm-up
+            t = time.perf_counter()
+            net(torch.randint(1000, (1, q), device=device), torch.arange(prefix, prefix + q, device=device), prefix)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[1:]) * 1000
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--drafter", default="qwen2.5-coder-0.5b", help="also time this model ('none' to skip)")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--q", default="1,4,16,32", help="comma list of new-token counts")
+    p.add_argument("--prefix", type=int, default=200, help="tokens already in the KV cache")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    qs = [int(x) for x in args.q.split(",")]
+    names = [args.model] + ([args.drafter] if args.drafter != "none" else [])
+    print(f"| model | dtype | {' | '.join(f'q={q}' for q in qs)} |")
+    print("|---|---|" + "---|" * len(qs))
+    for name in names:
+        model = graft_tk.load_model(name, dtype=args.dtype, progress=False)
+        costs = [forward_ms(model, q, args.prefix, args.repeats) for q in qs]
+        print(f"| {name} | {args.dtype} | {' | '.join(f'{c:.0f} ms' for c in costs)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
