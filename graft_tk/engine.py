@@ -50,7 +50,8 @@ class Engine:
         i - 1), then the retrieval template (parents shifted past the chain); spans[s] = the
         [start, end) of source s (pld, retrieval) in the list, None when unused."""
         device, L = self.target.device, self.config.pld_tokens
-        parents, source = [], []
+        parents = [torch.zeros(0, dtype=torch.long, device=device)]
+        source = [torch.zeros(0, dtype=torch.long, device=device)]
         pld_span = retrieval_span = None
         if use_pld:
             parents.append(torch.arange(-1, L - 1, device=device))
@@ -62,9 +63,6 @@ class Engine:
             parents.append(torch.where(tp < 0, -1, tp + shift))
             source.append(torch.full((self.template.n,), RETRIEVAL, device=device))
             retrieval_span = (shift, shift + self.template.n)
-        if not parents:
-            return (torch.zeros(0, dtype=torch.int32, device=device), torch.zeros(0, dtype=torch.int8, device=device),
-                    (None, None))
         return torch.cat(parents).to(torch.int32), torch.cat(source).to(torch.int8), (pld_span, retrieval_span)
 
     def generate(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
