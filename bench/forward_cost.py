@@ -2,8 +2,9 @@
 
     python bench/forward_cost.py --model qwen2.5-coder-1.5b --dtype bf16 --q 1,4,16,32 --prefix 200
 
-Prints one markdown row per model (the target, and with --drafter its drafter): the median of
---repeats forwards of q tokens after a prefix already in the KV cache, in milliseconds. A tree
+Prints one markdown row per model (the target, and with --drafter its drafter) and prefix: the
+median of --repeats forwards of q tokens after a prefix already in the KV cache, in milliseconds.
+``--prefix 100,3000`` shows how the cost grows with the context (attention's share). A tree
 verify of N nodes costs about the q = N forward, so where this curve is flat the budget is nearly
 free and where it is steep (a CPU without AVX-512, quantized weights) the best N is small.
 """
@@ -22,7 +23,7 @@ def forward_ms(model, q: int, prefix: int, repeats: int) -> float:
     net, device = model.net, model.device
     with torch.inference_mode():
         net.setup_cache(prefix + q)
-        net(torch.randint(1000, (1, prefix), device=device), torch.arange(prefix, device=device), 0, last_only=True)
+        net.kv.normal_(0, 0.5)          # stands in for a prefill of the prefix: what is read costs the same
         times = []
         for _ in range(repeats + 1):                      # the first is a warm-up
             t = time.perf_counter()
@@ -39,17 +40,19 @@ def main() -> None:
     p.add_argument("--drafter", default="qwen2.5-coder-0.5b", help="also time this model ('none' to skip)")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--q", default="1,4,16,32", help="comma list of new-token counts")
-    p.add_argument("--prefix", type=int, default=200, help="tokens already in the KV cache")
+    p.add_argument("--prefix", default="200", help="comma list of tokens already in the KV cache")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     qs = [int(x) for x in args.q.split(",")]
+    prefixes = [int(x) for x in args.prefix.split(",")]
     names = [args.model] + ([args.drafter] if args.drafter != "none" else [])
-    print(f"| model | dtype | {' | '.join(f'q={q}' for q in qs)} |")
-    print("|---|---|" + "---|" * len(qs))
+    print(f"| model | dtype | prefix | {' | '.join(f'q={q}' for q in qs)} |")
+    print("|---|---|---|" + "---|" * len(qs))
     for name in names:
         model = graft_tk.load_model(name, dtype=args.dtype, progress=False)
-        costs = [forward_ms(model, q, args.prefix, args.repeats) for q in qs]
-        print(f"| {name} | {args.dtype} | {' | '.join(f'{c:.0f} ms' for c in costs)} |", flush=True)
+        for prefix in prefixes:
+            costs = [forward_ms(model, q, prefix, args.repeats) for q in qs]
+            print(f"| {name} | {args.dtype} | {prefix} | {' | '.join(f'{c:.0f} ms' for c in costs)} |", flush=True)
 
 
 if __name__ == "__main__":

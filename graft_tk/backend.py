@@ -48,6 +48,24 @@ class LaunchCounter:
 LAUNCHES = LaunchCounter()
 
 
+class HostReads:
+    """The decode loop's device -> host reads: each one waits for the device to finish its queue,
+    so a GPU step should make as few as it can. Every read of the engine, the drafters and the
+    tree's size goes through ``read`` and is counted (the torch reference ops also read values on
+    the host internally, free on a CPU; the Triton kernels read nothing back)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def read(self, t: torch.Tensor):
+        """``t.tolist()``: a Python scalar for a 0-d tensor, else a (nested) list; counted."""
+        self.count += 1
+        return t.tolist()
+
+
+HOST_READS = HostReads()
+
+
 @contextlib.contextmanager
 def attention_backend(nets, backend: str):
     """Run the given Transformers' attention on ``backend`` inside the block, then restore them."""

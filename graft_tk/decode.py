@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .backend import attention_backend, resolve_backend
+from .backend import HOST_READS, attention_backend, resolve_backend
 from .config import METHODS, USES_DRAFTER, GraftConfig
 from .engine import Engine
 from .errors import InputError
@@ -160,7 +160,7 @@ def _decode_ar(model: Model, ids: list[int], max_new_tokens: int, temperature: f
     """Plain autoregressive decoding: one target forward per token."""
     net, device = model.net, model.device
     eos = set(model.eos_token_ids)
-    t0 = time.perf_counter()
+    t0, reads_before = time.perf_counter(), HOST_READS.count
     n = len(ids)
     net.setup_cache(n + max_new_tokens)
     out: list[int] = []
@@ -170,7 +170,7 @@ def _decode_ar(model: Model, ids: list[int], max_new_tokens: int, temperature: f
         pos = n
         while True:
             tok = next_token(logits[:, -1], temperature, top_p, generator)  # [1]
-            t = int(tok)  # one host sync per token: the stop test and streaming need the value
+            t = HOST_READS.read(tok[0])  # one host read per token: the stop test and streaming need it
             out.append(t)
             if on_tokens is not None:
                 on_tokens([t])
@@ -183,7 +183,9 @@ def _decode_ar(model: Model, ids: list[int], max_new_tokens: int, temperature: f
     seconds = time.perf_counter() - t0
     stats = {
         "method": "ar", "prompt_tokens": n, "tokens": len(out), "steps": len(out),
-        "target_forwards": len(out), "mat": 1.0, "seconds": seconds, "prefill_seconds": t_prefill,
+        "target_forwards": len(out), "mat": 1.0,
+        "host_syncs_per_step": (HOST_READS.count - reads_before) / max(len(out), 1),
+        "seconds": seconds, "prefill_seconds": t_prefill,
         "tokens_per_s": len(out) / seconds if seconds > 0 else 0.0,
     }
     return out, stats

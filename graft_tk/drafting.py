@@ -28,6 +28,7 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor, nn
 
+from .backend import HOST_READS
 from .config import GraftConfig
 from .models import Model
 from .models.eagle3 import Eagle3Head
@@ -110,7 +111,7 @@ def expand(logits: Tensor, forward: FrontierForward, root_slot: int, cfg: GraftC
         frontier, frontier_scores = n + nxt, child_score[nxt]
         n += m
         # One host sync per depth: stopping decides whether another drafter forward is launched.
-        if depth == D or (log_tau > -math.inf and bool(stop)):
+        if depth == D or (log_tau > -math.inf and HOST_READS.read(stop)):
             break
         # Run the new frontier (F <= K nodes) through the drafter in ONE forward with a tree mask
         # over the scratch slots; every committed slot and the root are visible to all of them.

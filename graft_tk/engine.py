@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 
 from .acceptance import AcceptanceEstimates
-from .backend import LAUNCHES, attention_backend
+from .backend import HOST_READS, LAUNCHES, attention_backend
 from .config import PRUNES, USES_DRAFTER, USES_PROMPT_LOOKUP, USES_RETRIEVAL, GraftConfig
 from .drafting import DraftPool, as_drafter
 from .models import Model
@@ -22,7 +22,7 @@ from .ops import ops_for
 from .reference.prompt_lookup import prompt_lookup_match
 from .reference.retrieval import new_adjacency, template_from_level_sizes, warm_adjacency
 from .sampling import next_token
-from .tree import PROMPT_LOOKUP, RETRIEVAL, SOURCE_NAMES, Tree
+from .tree import PROMPT_LOOKUP, RETRIEVAL, ROOT, SOURCE_NAMES
 
 ATTENTION_KERNEL = "_tree_attention_kernel"   # launched inside model forwards: not a step op
 
@@ -96,7 +96,7 @@ class Engine:
             warm_adjacency(self.adjacency, prompt[0], logits)
         if drafter is not None:
             drafter.start(n, n + max_new_tokens + cfg.top_k * cfg.max_depth + 1, features)
-        first = int(next_token(logits[-1:], temperature, top_p, generator)[0])
+        first = HOST_READS.read(next_token(logits[-1:], temperature, top_p, generator)[0])
         committed, out = list(ids) + [first], [first]
         target_len = n   # tokens whose KV is in the target cache; the root is the last committed
         stats.prefill_seconds = time.perf_counter() - t0
@@ -105,7 +105,7 @@ class Engine:
         done = first in eos or max_new_tokens <= 1
 
         while not done:
-            launches_before = LAUNCHES.snapshot()
+            launches_before, reads_before = LAUNCHES.snapshot(), HOST_READS.count
             root = torch.tensor(committed[-1], device=device)
             # 1-2. Draft with calibrated pruning: the drafter's candidate pool (empty without a drafter).
             t = time.perf_counter()
@@ -131,7 +131,7 @@ class Engine:
             built = ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, root, log_tau,
                                    cand_tokens, cand_parents, cand_source, cfg.budget,
                                    estimates.draft_values(pool.scores), cand_values)
-            tree = built.to_tree()                 # sync: the verify forward's size
+            tree = built.to_tree()                 # host read: the verify forward's size
             stats.add_time("retrieve", t)
             # 7. Verify the whole tree in one target forward with tree attention.
             t = time.perf_counter()
@@ -145,21 +145,30 @@ class Engine:
             path, n_path, bonus = ops.accept(tree, logits, self.adjacency if use_retrieval else None,
                                              temperature, top_p, uniforms)
             estimates.update(built, path, pld_span, ngram, retrieval_span)
-            m = int(n_path)                        # sync: how many tokens advance
-            path = path[:m]
+            # One host read for all the host needs from this step: the path's length, its tokens,
+            # the bonus, its nodes' drafter slots, sources and depths; the tree's nodes per source.
+            N, p = path.shape[0], path.clamp(min=0)
             node_slots = pool.slots_of(built.pool_index[:tree.n])
-            host = torch.cat([path, tree.tokens[path[1:]], bonus.view(1), node_slots[path]]).tolist()  # one copy
-            path_list, new, path_slots = host[:m], host[m:2 * m], host[2 * m:]
+            host = HOST_READS.read(torch.cat([
+                n_path.view(1), bonus.view(1), path, tree.tokens[p], node_slots[p], tree.source[p].long(),
+                tree.depth[p].long(), torch.bincount(tree.source.long(), minlength=len(SOURCE_NAMES))]))
+            m = host[0]
+            path_list, path_tokens, path_slots, path_source, path_depth = (
+                host[2 + i * N:2 + i * N + m] for i in range(5))
+            path = path[:m]
+            new = path_tokens[1:] + [host[1]]
             # EOS inside the path and the max_new_tokens limit truncate what is committed.
             for i, tok in enumerate(new):
                 if tok in eos or len(out) + i + 1 >= max_new_tokens:
                     new, done = new[:i + 1], True
                     break
-            stats.record_step(tree, path_list, len(new), pool.forwards)
+            stats.record_step(path_source, path_depth, host[2 + 5 * N:], len(new), pool.forwards)
             if self.acceptance_log is not None:
                 on_path = set(path_list)
-                self.acceptance_log += [(s, d, sc, i in on_path) for i, (s, d, sc) in enumerate(zip(
-                    tree.source.tolist(), tree.depth.tolist(), tree.scores.tolist())) if i > 0]
+                source, depth, scores = HOST_READS.read(torch.stack([tree.source.float(), tree.depth.float(),
+                                                                     tree.scores]))
+                self.acceptance_log += [(int(s), int(d), sc, i in on_path)
+                                        for i, (s, d, sc) in enumerate(zip(source, depth, scores)) if i > 0]
             committed += new
             out += new
             if on_tokens:
@@ -174,6 +183,7 @@ class Engine:
                     drafter.commit(path, path_slots, features, ops)
             stats.add_time("commit", t)
             stats.record_launches(LAUNCHES.snapshot() - launches_before, pool.forwards)
+            stats.host_reads += HOST_READS.count - reads_before
 
         return out, stats.finish(n, len(out), time.perf_counter() - t0)
 
@@ -193,7 +203,7 @@ class _Stats:
         self.method, self.backend = method, backend
         self.launches: Counter = Counter()   # Triton launches outside model forwards, by kernel
         self.launch_excess = -math.inf       # max over steps of (launches - drafter depths used)
-        self.steps = self.drafter_forwards = 0
+        self.steps = self.drafter_forwards = self.host_reads = 0
         self.prefill_seconds = 0.0
         self.seconds = Counter()
         self.nodes, self.accepted, self.accepted_by_depth = Counter(), Counter(), Counter()
@@ -201,17 +211,19 @@ class _Stats:
     def add_time(self, phase: str, since: float) -> None:
         self.seconds[phase] += time.perf_counter() - since
 
-    def record_step(self, tree: Tree, path: list[int], committed: int, drafter_forwards: int) -> None:
+    def record_step(self, path_source: list[int], path_depth: list[int], nodes_by_source: list[int],
+                    committed: int, drafter_forwards: int) -> None:
+        """One step: the accepted path's sources and depths (root first), the tree's node count per
+        source code, the tokens committed (the bonus included) and the drafter forwards run."""
         self.steps += 1
         self.drafter_forwards += drafter_forwards
-        source = tree.source.tolist()
-        for s in source[1:]:
-            self.nodes[SOURCE_NAMES[s]] += 1
-        depth = tree.depth.tolist()
-        n_nodes = min(len(path) - 1, committed)   # accepted tree nodes kept; the bonus is not a node
-        for node in path[1:1 + n_nodes]:
-            self.accepted[SOURCE_NAMES[source[node]]] += 1
-            self.accepted_by_depth[depth[node]] += 1
+        for code, count in enumerate(nodes_by_source):
+            if code != ROOT and count:
+                self.nodes[SOURCE_NAMES[code]] += count
+        n_nodes = min(len(path_source) - 1, committed)   # accepted tree nodes kept; the bonus is not a node
+        for src, depth in zip(path_source[1:1 + n_nodes], path_depth[1:1 + n_nodes]):
+            self.accepted[SOURCE_NAMES[src]] += 1
+            self.accepted_by_depth[depth] += 1
 
     def record_launches(self, launched: Counter, depths: int) -> None:
         launched.pop(ATTENTION_KERNEL, None)
@@ -225,6 +237,9 @@ class _Stats:
             # tokens per target forward, the prefill's first token excluded
             "mat": (tokens - 1) / steps if self.steps else 1.0,
             "target_forwards": self.steps + 1, "drafter_forwards_per_step": self.drafter_forwards / steps,
+            # device -> host reads per step, counted (graft_tk.backend.HOST_READS): each one waits
+            # for the device; the drafters read once per depth whose stop flag decides the next forward
+            "host_syncs_per_step": self.host_reads / steps,
             "nodes_by_source": dict(self.nodes), "accepted_by_source": dict(self.accepted),
             "accepted_by_depth": {int(k): v for k, v in sorted(self.accepted_by_depth.items())},
             "time_split": {k: self.seconds[k] for k in ("draft", "retrieve", "verify", "commit")},

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import graft_tk
-from graft_tk.config import METHODS, USES_DRAFTER, GraftConfig
+from graft_tk.config import METHODS, PRUNES, USES_DRAFTER, GraftConfig
 from graft_tk.decode import encode_prompt
 from graft_tk.engine import Engine
 from graft_tk.errors import InputError
@@ -54,6 +54,24 @@ def test_stats_report_sources_depths_and_time(smollm2, self_drafter):
     assert sum(s["accepted_by_source"].values()) == sum(s["accepted_by_depth"].values())
     assert set(s["time_split"]) == {"draft", "retrieve", "verify", "commit"}
     assert s["drafter_forwards_per_step"] >= 1
+
+
+def test_host_reads_per_step_are_counted_and_bounded(smollm2, self_drafter):
+    # Each device -> host read stalls a GPU step. ar reads the token; a speculative step reads the
+    # tree's size and then everything else at once; a pruning drafter also reads its stop flag at
+    # each depth it may stop after (every forward but the last when it runs the full depth D).
+    ids = encode_prompt(smollm2, "Count from one to twenty: one, two, three,", chat=False)
+    for method in METHODS:
+        s = graft_tk.decode(smollm2, ids, drafter=self_drafter, method=method, max_new_tokens=16,
+                            config=GraftConfig(tau=0.3)).stats
+        reads = s["host_syncs_per_step"]
+        if method == "ar":
+            assert reads == 1.0
+        elif method in PRUNES:
+            forwards = s["drafter_forwards_per_step"]
+            assert 2 + forwards - 1 <= reads <= 2 + forwards, method
+        else:
+            assert reads == 2.0, method
 
 
 def test_budget_one_degenerates_to_ar(smollm2, self_drafter):

@@ -110,6 +110,19 @@ def test_chain_tree_equals_causal_attention(prefix_len):
     _assert_close(got, want, torch.float32)
 
 
+def test_reference_in_query_chunks_equals_sdpa(monkeypatch):
+    """The torch reference (the CPU attention path) holds scores for a few queries at a time on a
+    long prefill: with a chunk of 50 scores (one query row per chunk here) it still equals SDPA."""
+    import graft_tk.reference.tree_attention as ref
+    T, Hq, Hkv, D, prefix_len = 7, 4, 2, 16, 3
+    q_all, k, v = _inputs(1, Hq, Hkv, prefix_len + T, D, prefix_len + T, torch.float32, seed=9)
+    q_all, k, v = q_all.cpu(), k.cpu(), v.cpu()
+    want = F.scaled_dot_product_attention(q_all, k, v, is_causal=True, enable_gqa=True)[:, :, prefix_len:]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    monkeypatch.setattr(ref, "_SCORES_PER_CHUNK", 50)
+    torch.testing.assert_close(ref.tree_attention(q_all[:, :, prefix_len:], k, v, prefix_len, causal), want)
+
+
 def test_permuting_nodes_permutes_outputs():
     """Relabel the tree's nodes by a permutation, moving queries, tree keys/values and mask rows and
     columns together: the outputs are permuted the same way."""

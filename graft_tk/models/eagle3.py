@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from ..backend import resolve_backend
 from ..errors import InputError
 from .transformer import (Attention, FeedForward, ModelConfig, RMSNorm, Transformer, attention_mask,
-                          rope_inv_freq, rope_tables)
+                          new_cache, rope_inv_freq)
 
 __all__ = ["Eagle3Config", "Eagle3Head", "default_target_layers"]
 
@@ -118,9 +118,9 @@ class Eagle3Layer(nn.Module):
     def mlp(self, h: Tensor) -> Tensor:
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def forward(self, emb, h, cos, sin, kv, start, mask):
+    def forward(self, emb, h, cos, sin, kv, slots, mask):
         x, residual = self.attention_input(emb, h)
-        return self.mlp(residual + self.attention(x, cos, sin, kv, start, mask))
+        return self.mlp(residual + self.attention(x, cos, sin, kv, slots, mask))
 
 
 class Eagle3Head(nn.Module):
@@ -154,6 +154,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("draft_ids", torch.arange(cfg.draft_vocab_size), persistent=False)
         self._identity_vocab = cfg.draft_vocab_size == cfg.vocab_size
         self.kv: Tensor | None = None   # [1, 2, B, Hkv, S, Dh], see setup_cache
+        self.rope = None                 # RopeTable, see setup_cache
         self.name: str = "eagle3"          # load_eagle3 sets name and path; profiles key on them
         self.path: Path | None = None
         self.attention_backend = "torch"
@@ -184,14 +185,12 @@ class Eagle3Head(nn.Module):
         self._identity_vocab = bool((d2t == 0).all()) and c.draft_vocab_size == c.vocab_size
 
     def setup_cache(self, max_seq_len: int, batch_size: int = 1) -> None:
-        """Allocate the static KV cache; kept when it is already large enough for this batch."""
+        """Allocate the static KV cache and RoPE table; kept when already large enough for this batch."""
         a = self.layer.attention
         if self.kv is not None and self.kv.shape[2] == batch_size and self.kv.shape[4] >= max_seq_len:
             return
-        w = self.lm_head.weight
-        with torch.inference_mode(False):   # writable in place later, as Transformer.setup_cache
-            self.kv = torch.zeros(1, 2, batch_size, a.n_kv_heads, max_seq_len, a.head_dim, dtype=w.dtype,
-                                  device=w.device)
+        self.kv, self.rope = new_cache(1, batch_size, a.n_kv_heads, max_seq_len, a.head_dim, self.lm_head.weight,
+                                       self.inv_freq)
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int, attn_mask: Tensor | None = None,
                 last_only: bool = False, mask_prefix: int | None = None, *,
@@ -222,7 +221,7 @@ class Eagle3Head(nn.Module):
         if h.shape[-1] == c.fused_size:
             h = self.fc(h)
         emb = F.embedding(tokens, self.embedding_weight).to(w.dtype)
-        h = self.layer(emb, h, *rope_tables(positions, self.inv_freq, w.dtype), self.kv[0], start, mask)
+        h = self.layer(emb, h, *self.rope.at(positions), self.kv[0], torch.arange(start, start + T, device=tokens.device), mask)
         if last_only:
             h = h[:, -1:]
         draft = F.linear(self.norm(h), self.lm_head.weight).float()   # [B, T, draft_vocab]

@@ -6,7 +6,8 @@ Differences between the families are three switches on ``ModelConfig``:
   qwen3  — + RMSNorm on each head of q and k before RoPE (no bias)
 
 The KV cache is static and lives in ONE tensor ``kv[L, 2, B, Hkv, S, Dh]`` so that committing an
-accepted tree path moves every layer's K and V with a single indexed copy.
+accepted tree path moves every layer's K and V with a single indexed copy; new K/V are written by
+index, and the RoPE tables for its S positions are built with it (``new_cache``).
 
 Speculative decoding needs two things from the forward pass:
   * tree attention: new tokens are written to cache slots ``[start, start + T)`` and a bool
@@ -16,9 +17,11 @@ Speculative decoding needs two things from the forward pass:
     all-True columns of the prefix.
   * explicit positions: a tree node's RoPE position is ``prefix_len + depth``, not its slot.
 
-Attention runs on one of two backends (``Transformer.attention_backend``): ``"torch"`` (SDPA on
-the full mask, the default) or ``"triton"`` (``graft_tk.kernels.tree_attention``: flash-style,
-prefix keys read without a mask); ``"auto"`` = Triton on CUDA, torch elsewhere.
+Attention runs on one of two backends (``Transformer.attention_backend``), both in the tree
+attention form (a visible prefix plus a masked block): ``"torch"`` (``graft_tk.reference.
+tree_attention``, the default: a GQA group's heads share one matmul per kv head, no K/V copies)
+or ``"triton"`` (``graft_tk.kernels.tree_attention``: flash-style, prefix keys read without a
+mask); ``"auto"`` = Triton on CUDA, torch elsewhere.
 """
 from __future__ import annotations
 
@@ -116,6 +119,35 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+@dataclass(frozen=True)
+class RopeTable:
+    """cos / sin [S, Dh] of positions 0 .. S - 1, built once with the cache they serve."""
+    cos: Tensor
+    sin: Tensor
+
+    def at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions [B, T] (each < S) -> (cos, sin) [B, 1, T, Dh], as ``rope_tables`` computes them."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+
+def new_cache(n_layers: int, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
+              weight: Tensor, inv_freq: Tensor) -> tuple[Tensor, RopeTable]:
+    """A static KV cache ``[n_layers, 2, B, Hkv, S, Dh]`` and the RoPE table for its S positions.
+
+    The cache holds the weights' dtype on a GPU and float32 on a CPU: a CPU without AVX-512 BF16
+    multiplies bf16 matrices several times slower than fp32 ones, and a bf16 K or V value is
+    stored exactly in fp32, so attention sees the same numbers (it accumulates in fp32 either way).
+    A token's RoPE position never exceeds its cache slot, so S positions cover every forward.
+    """
+    dtype = torch.float32 if weight.device.type == "cpu" else weight.dtype
+    # Normal tensors even when called under inference_mode: an inference tensor could not be
+    # written in place (or saved for backward) later by a caller outside inference_mode.
+    with torch.inference_mode(False):
+        kv = torch.zeros(n_layers, 2, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=dtype, device=weight.device)
+        cos, sin = rope_tables(torch.arange(max_seq_len, device=weight.device)[None], inv_freq, weight.dtype)
+    return kv, RopeTable(cos[0, 0], sin[0, 0])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -141,18 +173,13 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         return q, k, v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, start: int, mask: AttentionMask) -> Tensor:
-        # x: [B, T, dim]; kv: this layer's cache [2, B, Hkv, S, Dh]
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, slots: Tensor, mask: AttentionMask) -> Tensor:
+        # x: [B, T, dim]; kv: this layer's cache [2, B, Hkv, S, Dh]; slots [T]: where the new K/V go
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        end = start + T
-        kv[0, :, :, start:end] = k
-        kv[1, :, :, start:end] = v
-        if mask.kernel is not None:  # Triton: reads keys [0, end) of the cache in place
-            out = mask.kernel(q, kv[0], kv[1], mask.prefix_len, mask.block)
-        else:
-            keys, values = kv[0, :, :, :end], kv[1, :, :, :end]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.full, enable_gqa=True)
+        kv[0].index_copy_(2, slots, k.to(kv.dtype))
+        kv[1].index_copy_(2, slots, v.to(kv.dtype))
+        out = mask.attend(q.to(kv.dtype), kv[0], kv[1]).to(x.dtype)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -176,8 +203,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, kv, start, mask):
-        x = x + self.attention(self.attention_norm(x), cos, sin, kv, start, mask)
+    def forward(self, x, cos, sin, kv, slots, mask):
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, slots, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -190,16 +217,24 @@ def causal_mask(start: int, T: int, device) -> Tensor:
 
 @dataclass(frozen=True)
 class AttentionMask:
-    """One forward's mask, built once for all layers, in the form its backend reads.
-
-    torch:  ``full`` [T, start + T] bool, or None for T = 1 without a mask (SDPA sees all keys).
-    triton: keys [0, prefix_len) visible to every query, ``block`` [T, start + T - prefix_len]
-            for the rest, ``kernel`` = ``graft_tk.kernels.tree_attention.tree_attention``.
+    """One forward's mask, built once for all layers: cached keys [0, prefix_len) are visible to
+    every new token and ``block`` [T, L] says which of the next L keys each one sees (the form of
+    ``graft_tk.reference.tree_attention``); ``kernel`` is the backend's tree attention (Triton
+    kernel or torch reference, one signature). ``per_sequence`` [B, 1, T, S] instead gives every
+    sequence of a batch its own full mask (left-padded batches; SDPA).
     """
-    full: Tensor | None = None
     prefix_len: int = 0
     block: Tensor | None = None
     kernel: Callable | None = None
+    per_sequence: Tensor | None = None
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [B, Hq, T, D] over the cache's k, v [B, Hkv, S, D] -> [B, Hq, T, D]."""
+        if self.per_sequence is not None:
+            S = self.per_sequence.shape[-1]
+            return F.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S], attn_mask=self.per_sequence,
+                                                  enable_gqa=True)
+        return self.kernel(q, k, v, self.prefix_len, self.block)
 
 
 def attention_mask(backend: str, start: int, T: int, attn_mask: Tensor | None, mask_prefix: int | None,
@@ -215,20 +250,16 @@ def attention_mask(backend: str, start: int, T: int, attn_mask: Tensor | None, m
     if attn_mask is not None and attn_mask.dim() == 3:  # one mask per sequence, e.g. left-padded batches
         if backend == "triton" or mask_prefix is not None:
             raise InputError("a per-sequence attn_mask [B, T, S] needs the torch attention backend and no mask_prefix")
-        return AttentionMask(full=attn_mask[:, None])  # [B, 1, T, S]: SDPA broadcasts over heads
+        return AttentionMask(per_sequence=attn_mask[:, None])  # [B, 1, T, S]: SDPA broadcasts over heads
+    # Imported here: graft_tk.kernels sets TRITON_INTERPRET before any kernel exists, and a
+    # torch-only user never imports Triton.
     if backend == "triton":
-        # Imported here: graft_tk.kernels sets TRITON_INTERPRET before any kernel exists, and a
-        # torch-only user never imports Triton.
-        from ..kernels.tree_attention import tree_attention
-        if attn_mask is None:  # causal = every cached slot + lower-triangular over the new tokens
-            block = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-            return AttentionMask(prefix_len=start, block=block, kernel=tree_attention)
-        return AttentionMask(prefix_len=prefix, block=attn_mask, kernel=tree_attention)
-    if attn_mask is None:
-        return AttentionMask(full=None if T == 1 else causal_mask(start, T, device))
-    if prefix:
-        attn_mask = torch.cat([torch.ones(T, prefix, dtype=torch.bool, device=device), attn_mask], dim=1)
-    return AttentionMask(full=attn_mask)
+        from ..kernels.tree_attention import tree_attention as kernel
+    else:
+        from ..reference.tree_attention import tree_attention as kernel
+    if attn_mask is None:  # causal = every cached slot + lower-triangular over the new tokens
+        return AttentionMask(start, torch.ones(T, T, dtype=torch.bool, device=device).tril(), kernel)
+    return AttentionMask(prefix, attn_mask, kernel)
 
 
 class Transformer(nn.Module):
@@ -240,12 +271,13 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.kv: Tensor | None = None  # [L, 2, B, Hkv, S, Dh], see setup_cache
+        self.rope: RopeTable | None = None
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.attention_backend = "torch"
 
     @property
     def attention_backend(self) -> str:
-        """``"torch"`` (SDPA, default), ``"triton"`` (the tree attention kernel) or ``"auto"``
+        """``"torch"`` (the reference tree attention, default), ``"triton"`` (the kernel) or ``"auto"``
         (Triton on CUDA, torch elsewhere); resolved at each forward from the tokens' device."""
         return self._attention_backend
 
@@ -264,16 +296,12 @@ class Transformer(nn.Module):
         return 0 if self.kv is None else self.kv.shape[4]
 
     def setup_cache(self, max_seq_len: int, batch_size: int = 1) -> None:
-        """Allocate the static KV cache; kept when it is already large enough for this batch."""
+        """Allocate the static KV cache and RoPE tables; kept when already large enough for this batch."""
         c = self.config
         if self.kv is not None and self.kv.shape[2] == batch_size and self.kv.shape[4] >= max_seq_len:
             return
-        w = self.lm_head_weight
-        # A normal tensor even when called under inference_mode: an inference tensor could not be
-        # written in place later by a caller outside inference_mode.
-        with torch.inference_mode(False):
-                self.kv = torch.zeros(c.n_layers, 2, batch_size, c.n_kv_heads, max_seq_len, c.head_dim,
-                                  dtype=w.dtype, device=w.device)
+        self.kv, self.rope = new_cache(c.n_layers, batch_size, c.n_kv_heads, max_seq_len, c.head_dim,
+                                       self.lm_head_weight, self.inv_freq)
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int, attn_mask: Tensor | None = None,
                 last_only: bool = False, mask_prefix: int | None = None,
@@ -307,10 +335,11 @@ class Transformer(nn.Module):
         if hidden_layers is not None and not (hidden_layers and all(0 <= i < len(self.layers) for i in hidden_layers)):
             raise InputError(f"hidden_layers must be layer indices in [0, {len(self.layers)}), got {hidden_layers}")
         x = self.tok_embeddings(tokens)
-        cos, sin = rope_tables(positions, self.inv_freq, x.dtype)
+        cos, sin = self.rope.at(positions)
+        slots = torch.arange(start, start + T, device=tokens.device)
         taken: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, self.kv[i], start, mask)
+            x = layer(x, cos, sin, self.kv[i], slots, mask)
             if hidden_layers is not None and i in hidden_layers:
                 taken[i] = x
         if last_only:

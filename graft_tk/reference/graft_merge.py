@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..backend import HOST_READS
 from ..tree import DRAFT, RETRIEVAL, ROOT, Tree
 from .retrieval import RetrievalTemplate
 
@@ -247,8 +248,8 @@ class BuiltTree(NamedTuple):
     cand_node: Tensor   # int32 [C]  tree node each candidate landed on (new or shared), -1 if not in the tree
 
     def to_tree(self) -> Tree:
-        """The valid prefix as a ``Tree``: reads ``n_nodes`` (the step's one host sync here)."""
-        n = int(self.n_nodes)
+        """The valid prefix as a ``Tree``: reads ``n_nodes`` (a host read: the verify forward's size)."""
+        n = HOST_READS.read(self.n_nodes)
         return Tree(tokens=self.tokens[:n], parents=self.parents[:n], depth=self.depth[:n],
                     source=self.source[:n], scores=self.scores[:n])
 

@@ -22,6 +22,8 @@ import operator
 import torch
 from torch import Tensor
 
+_SCORES_PER_CHUNK = 1 << 24   # fp32 attention scores held at once (64 MB)
+
 
 def check_tree_attention_args(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tensor) -> int:
     """Validate shapes, dtypes and devices; return ``prefix_len`` as an int. Raises ValueError."""
@@ -72,16 +74,26 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tenso
     """
     prefix_len = check_tree_attention_args(q, k, v, prefix_len, mask)
     B, Hq, T, D = q.shape
-    group = Hq // k.shape[1]
+    Hkv = k.shape[1]
+    group = Hq // Hkv
     kv_len = prefix_len + mask.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
 
     visible = torch.cat([torch.ones(T, prefix_len, dtype=torch.bool, device=mask.device), mask], dim=1)
-    keys = k[:, :, :kv_len].float().repeat_interleave(group, dim=1)      # [B, Hq, kv_len, D]
-    values = v[:, :, :kv_len].float().repeat_interleave(group, dim=1)
-    scores = (q.float() @ keys.transpose(-1, -2)) * scale                 # [B, Hq, T, kv_len]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)                                 # NaN on rows with no key
-    out = probs @ values
+    keys, values = k[:, :, :kv_len].float(), v[:, :, :kv_len].float()   # [B, Hkv, kv_len, D], no GQA copy
+    # Query head h = kv_head * group + g reads kv head h // group: the group's heads become rows of
+    # one matmul per kv head. Queries go in chunks so that a long prefill's scores stay ~64 MB.
+    qg = q.float().view(B, Hkv, group, T, D)
+    out = torch.empty(B, Hkv, group, T, D, device=q.device)
+    chunk = max(1, _SCORES_PER_CHUNK // max(Hq * kv_len, 1))
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        rows = qg[:, :, :, t0:t1].reshape(B, Hkv, group * (t1 - t0), D)
+        scores = (rows @ keys.transpose(-1, -2)).view(B, Hkv, group, t1 - t0, kv_len) * scale
+        scores = scores.masked_fill(~visible[t0:t1], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)                             # NaN on rows with no key
+        out[:, :, :, t0:t1] = (probs.view(B, Hkv, group * (t1 - t0), kv_len) @ values).view(
+            B, Hkv, group, t1 - t0, D)
+    out = out.view(B, Hq, T, D)
     out = torch.where(visible.any(-1)[:, None], out, torch.zeros((), device=out.device))
     return out.to(q.dtype)
