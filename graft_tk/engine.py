@@ -29,12 +29,16 @@ ATTENTION_KERNEL = "_tree_attention_kernel"   # launched inside model forwards: 
 
 class Engine:
     def __init__(self, target: Model, drafter: Model | Eagle3Head | None = None, config: GraftConfig | None = None,
-                 backend: str = "auto"):
+                 backend: str = "auto", static_shapes: bool | None = None):
         # drafter: what the caller passed (a small Model or an EAGLE-3 head); drafting: it behind
         # the Drafter interface (start / draft / commit), the only way the loop talks to it.
         self.target, self.drafter, self.drafting = target, drafter, as_drafter(drafter)
         self.config = config or GraftConfig()
         self.ops = ops_for(backend, target.device)
+        # Verify every tree at the full budget N (padding masked, never accepted): one shape for
+        # every step and no host read of the tree's size. The default on a GPU; on a CPU, where a
+        # verify costs nearly in proportion to its rows and a host read is free, the exact size.
+        self.static_shapes = target.device.type == "cuda" if static_shapes is None else static_shapes
         self.template = template_from_level_sizes(self.config.template, self.config.retrieval_k).to(target.device)
         # M[V, k]: row t = the k tokens the target last ranked most likely after t (-1 = unknown).
         self.adjacency = new_adjacency(target.config.vocab_size, self.config.retrieval_k, target.device)
@@ -131,11 +135,12 @@ class Engine:
             built = ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, root, log_tau,
                                    cand_tokens, cand_parents, cand_source, cfg.budget,
                                    estimates.draft_values(pool.scores), cand_values)
-            tree = built.to_tree()                 # host read: the verify forward's size
+            tree = built.as_tree() if self.static_shapes else built.to_tree()   # to_tree: a host read
             stats.add_time("retrieve", t)
             # 7. Verify the whole tree in one target forward with tree attention.
             t = time.perf_counter()
-            logits, features = _forward(tnet, layers, tree.tokens[None], tree.positions(target_len), target_len,
+            tokens = tree.tokens.clamp(min=0)[None]   # padding (token -1) runs as token 0, masked off
+            logits, features = _forward(tnet, layers, tokens, tree.positions(target_len), target_len,
                                         attn_mask=tree.attn_mask(), mask_prefix=target_len)
             stats.add_time("verify", t)
             # 8. Accept the longest path the target agrees with, plus a bonus token; update M (when
@@ -151,7 +156,7 @@ class Engine:
             node_slots = pool.slots_of(built.pool_index[:tree.n])
             host = HOST_READS.read(torch.cat([
                 n_path.view(1), bonus.view(1), path, tree.tokens[p], node_slots[p], tree.source[p].long(),
-                tree.depth[p].long(), torch.bincount(tree.source.long(), minlength=len(SOURCE_NAMES))]))
+                tree.depth[p].long(), torch.bincount(tree.source.long() + 1, minlength=len(SOURCE_NAMES) + 1)[1:]]))
             m = host[0]
             path_list, path_tokens, path_slots, path_source, path_depth = (
                 host[2 + i * N:2 + i * N + m] for i in range(5))
@@ -168,7 +173,7 @@ class Engine:
                 source, depth, scores = HOST_READS.read(torch.stack([tree.source.float(), tree.depth.float(),
                                                                      tree.scores]))
                 self.acceptance_log += [(int(s), int(d), sc, i in on_path)
-                                        for i, (s, d, sc) in enumerate(zip(source, depth, scores)) if i > 0]
+                                        for i, (s, d, sc) in enumerate(zip(source, depth, scores)) if i > 0 and s >= 0]
             committed += new
             out += new
             if on_tokens:

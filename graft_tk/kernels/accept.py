@@ -214,7 +214,7 @@ def _walk_kernel(
             depth_i = tl.load(depth_ptr + rows, mask=live, other=0)
             key_i = tl.where(tl.load(path_ptr + depth_i, mask=live, other=-1) == rows, n_nodes + rows, rows)
             later_dup = (tok_i[:, None] == tok[None, :]) & (key[None, :] > key_i[:, None]) & valid[None, :]
-            writer = live & (tl.max(later_dup.to(tl.int32), axis=1) == 0)
+            writer = live & (tok_i >= 0) & (tl.max(later_dup.to(tl.int32), axis=1) == 0)   # padding: no write
             wmask = writer[:, None] & (kk < K)[None, :]
             top = tl.load(topk_ptr + rows[:, None] * stride_tn + kk[None, :], mask=wmask, other=-1)
             tl.store(adj_ptr + tok_i[:, None] * stride_adj_v + kk[None, :] * stride_adj_k, top, mask=wmask)

@@ -148,7 +148,8 @@ def _sampling_walk(tree: Tree, logits: Tensor, temperature: float, top_p: float,
     tokens, parents, uq = tree.tokens.tolist(), tree.parents.tolist(), u.tolist()
     kids: list[list[int]] = [[] for _ in range(n)]
     for i in range(1, n):
-        kids[parents[i]].append(i)
+        if parents[i] >= 0:               # -1 past the root: padding, nobody's child
+            kids[parents[i]].append(i)
     on_path = [0]
     while True:
         node = on_path[-1]

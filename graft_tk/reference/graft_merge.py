@@ -247,6 +247,12 @@ class BuiltTree(NamedTuple):
     n_nodes: Tensor     # int64 []   valid prefix length
     cand_node: Tensor   # int32 [C]  tree node each candidate landed on (new or shared), -1 if not in the tree
 
+    def as_tree(self) -> Tree:
+        """All N entries as a ``Tree``, padding included, with no host read: the fixed-shape verify
+        (``accept`` never accepts padding nor writes it to M; the verify embeds its token as 0)."""
+        return Tree(tokens=self.tokens, parents=self.parents, depth=self.depth, source=self.source,
+                    scores=self.scores)
+
     def to_tree(self) -> Tree:
         """The valid prefix as a ``Tree``: reads ``n_nodes`` (a host read: the verify forward's size)."""
         n = HOST_READS.read(self.n_nodes)

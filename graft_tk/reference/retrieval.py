@@ -29,7 +29,8 @@ def new_adjacency(vocab_size: int, k: int, device: torch.device | str = "cpu") -
 
 
 def update_adjacency(adj: Tensor, tokens: Tensor, logits: Tensor, order: Tensor | None = None) -> Tensor:
-    """Write ``adj[tokens[i]] = topk(logits[i], k).indices`` for every node, in place.
+    """Write ``adj[tokens[i]] = topk(logits[i], k).indices`` for every node, in place (padding
+    nodes, token -1, write nothing).
 
     Parameters
     ----------
@@ -62,6 +63,8 @@ def update_adjacency(adj: Tensor, tokens: Tensor, logits: Tensor, order: Tensor 
     top = torch.topk(logits, k, dim=-1).indices.to(torch.int32)             # [N, k]
     if order is None:
         order = torch.arange(n, device=tokens.device)
+    order = order[tokens[order] >= 0]     # padding nodes (token -1) write nothing (the kernel masks them)
+    n = order.shape[0]
     tok = tokens[order]                                                      # write sequence
     sorted_tok, perm = torch.sort(tok, stable=True)                          # equal tokens keep write order
     new_run = torch.ones_like(sorted_tok, dtype=torch.bool)
