@@ -6,6 +6,7 @@
       miss, GRAFT_TK_AUTOTUNE=1 on a GPU (not while a CUDA graph is captured)
                                -> benchmark every candidate, persist the fastest, use it
       miss otherwise           -> heuristic
+    and on a GPU the answer is kept per (kernel, bucket, device) for the rest of the process.
 """
 from __future__ import annotations
 
@@ -132,11 +133,24 @@ def resolve(tunable: Tunable, bucket: str, heuristic: dict, *, tune_on_miss: boo
     return dict(entry.config) if entry is not None else heuristic
 
 
+# (kernel, bucket, device index) -> the config select resolved: every layer of every forward
+# launches the attention kernel, so a lookup happens once per shape bucket per process, not once
+# per launch (an entry graft-autotune writes later from another process applies on restart).
+_SELECTED: dict[tuple[str, str, int], dict] = {}
+
+
 def select(kernel: str, bucket: str, heuristic: dict, device) -> dict:
     """The tile sizes a launcher uses for ``bucket`` on ``device`` (see the module docstring)."""
     if interpreted() or device.type != "cuda":
         return heuristic
     import torch
-    tune_on_miss = tuning_enabled() and not torch.cuda.is_current_stream_capturing()
-    return resolve(get_tunable(kernel), bucket, heuristic, tune_on_miss=tune_on_miss,
-                   env=cache.environment(device.index if device.index is not None else torch.cuda.current_device()))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (kernel, bucket, index)
+    if key not in _SELECTED:
+        capturing = torch.cuda.is_current_stream_capturing()
+        config = resolve(get_tunable(kernel), bucket, heuristic, tune_on_miss=tuning_enabled() and not capturing,
+                         env=cache.environment(index))
+        if capturing:          # a miss while capturing gets the heuristic now and a tuning later
+            return config
+        _SELECTED[key] = config
+    return dict(_SELECTED[key])

@@ -100,7 +100,8 @@ class Engine:
             warm_adjacency(self.adjacency, prompt[0], logits)
         if drafter is not None:
             drafter.start(n, n + max_new_tokens + cfg.top_k * cfg.max_depth + 1, features)
-        first = HOST_READS.read(next_token(logits[-1:], temperature, top_p, generator)[0])
+        root = next_token(logits[-1:], temperature, top_p, generator)[0]   # on the device, as each step's bonus
+        first = HOST_READS.read(root)
         committed, out = list(ids) + [first], [first]
         target_len = n   # tokens whose KV is in the target cache; the root is the last committed
         stats.prefill_seconds = time.perf_counter() - t0
@@ -110,7 +111,6 @@ class Engine:
 
         while not done:
             launches_before, reads_before = LAUNCHES.snapshot(), HOST_READS.count
-            root = torch.tensor(committed[-1], device=device)
             # 1-2. Draft with calibrated pruning: the drafter's candidate pool (empty without a drafter).
             t = time.perf_counter()
             if drafter is not None:
@@ -186,6 +186,7 @@ class Engine:
                 target_len += m
                 if drafter is not None:
                     drafter.commit(path, path_slots, features, ops)
+                root = bonus      # the last committed token is the next step's root
             stats.add_time("commit", t)
             stats.record_launches(LAUNCHES.snapshot() - launches_before, pool.forwards)
             stats.host_reads += HOST_READS.count - reads_before

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -126,6 +127,28 @@ def test_cpu_and_interpreter_use_heuristics_without_reading_the_cache(cache_file
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert select("tree_attention", bucket, heuristic, torch.device("cpu")) is heuristic
+
+
+def test_a_gpu_resolves_each_bucket_once_per_process(monkeypatch):
+    """Every layer launches the attention kernel: the cache is consulted once per (kernel, bucket,
+    device), not once per launch (no file stat in the hot loop)."""
+    calls = []
+
+    def fake_resolve(tunable, bucket, heuristic, *, tune_on_miss, env):
+        calls.append(bucket)
+        return {"BLOCK_M": 32}
+
+    monkeypatch.setattr(tuner, "interpreted", lambda: False)
+    monkeypatch.setattr(tuner, "resolve", fake_resolve)
+    monkeypatch.setattr(tuner.cache, "environment", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(tuner, "_SELECTED", {})
+    gpu0, gpu1 = SimpleNamespace(type="cuda", index=0), SimpleNamespace(type="cuda", index=1)
+    for _ in range(3):
+        for bucket in ("a", "b"):
+            assert select("tree_attention", bucket, {"BLOCK_M": 16}, gpu0) == {"BLOCK_M": 32}
+    select("tree_attention", "a", {"BLOCK_M": 16}, gpu1)
+    assert calls == ["a", "b", "a"]
 
 
 def test_source_hash_ignores_decorators_and_changes_with_the_source():

@@ -221,7 +221,8 @@ class Eagle3Head(nn.Module):
         if h.shape[-1] == c.fused_size:
             h = self.fc(h)
         emb = F.embedding(tokens, self.embedding_weight).to(w.dtype)
-        h = self.layer(emb, h, *self.rope.at(positions), self.kv[0], torch.arange(start, start + T, device=tokens.device), mask)
+        slots = torch.arange(start, start + T, device=tokens.device)
+        h = self.layer(emb, h, *self.rope.at(positions), self.kv[0], slots, mask)
         if last_only:
             h = h[:, -1:]
         draft = F.linear(self.norm(h), self.lm_head.weight).float()   # [B, T, draft_vocab]
