@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 import torch
 
 from .backend import HOST_READS, attention_backend, resolve_backend
+from .compiled import StepForward
 from .config import METHODS, USES_DRAFTER, GraftConfig
 from .engine import Engine
 from .errors import InputError
@@ -47,7 +48,7 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
            method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
            seed: int | None = None, chat: bool = True, config: GraftConfig | None = None,
            engine: Engine | None = None, on_tokens: Callable[[list[int]], None] | None = None,
-           backend: str = "auto") -> DecodeResult:
+           backend: str = "auto", compile: bool = False) -> DecodeResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` with ``target``.
 
     method: "ar" (plain decoding), or a speculative method at budget ``config.budget``:
@@ -68,6 +69,9 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
     on_tokens: called with each batch of newly committed token ids (streaming).
     backend: "auto" (Triton kernels on CUDA, torch elsewhere), "triton" or "torch"; without CUDA
         "triton" runs the kernels in Triton's interpreter (exact, slow: for tests).
+    compile: run the step forwards (not the prefill) of the target and a drafter model compiled
+        (``graft_tk.compiled``: torch.compile, fullgraph, fixed shapes; CUDA graphs on a GPU). The
+        first call per model and shape compiles, which takes minutes on a small CPU.
     """
     if method not in METHODS:
         raise InputError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
@@ -77,7 +81,9 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
         if backend != "auto" and resolve_backend(backend, target.device) != engine.ops.backend:
             raise InputError(f"engine runs the {engine.ops.backend} backend, not {backend!r}; build "
                              f"Engine(..., backend={backend!r}) or leave backend='auto'")
-        drafter, config = engine.drafter, engine.config
+        if compile and not engine.compile:
+            raise InputError("the engine was built with compile=False; build Engine(..., compile=True)")
+        drafter, config, compile = engine.drafter, engine.config, engine.compile
     backend = resolve_backend(backend, target.device)
     check_drafter(target, drafter)
     config, config_source = _resolve_config(target, drafter, method, config, engine)
@@ -100,13 +106,15 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
     with torch.inference_mode():
         if method == "ar" or max_new_tokens == 0:
             with attention_backend([target.net], backend):
-                tokens, stats = _decode_ar(target, ids, max_new_tokens, temperature, top_p, generator, on_tokens)
+                tokens, stats = _decode_ar(target, ids, max_new_tokens, temperature, top_p, generator, on_tokens,
+                                           compile)
         else:
-            engine = engine or Engine(target, drafter, config, backend)
+            engine = engine or Engine(target, drafter, config, backend, compile=compile)
             tokens, stats = engine.generate(ids, method, max_new_tokens, temperature, top_p, generator, on_tokens)
     if method != "ar":
         stats["config"] = dataclasses.asdict(config)
     stats["config_source"] = config_source
+    stats["compile"] = compile
     return DecodeResult(tokens=tokens, text=target.tokenizer.decode(tokens), stats=stats)
 
 
@@ -156,9 +164,10 @@ def _resolve_config(target: Model, drafter: Model | Eagle3Head | None, method: s
 
 
 def _decode_ar(model: Model, ids: list[int], max_new_tokens: int, temperature: float, top_p: float,
-               generator, on_tokens) -> tuple[list[int], dict]:
+               generator, on_tokens, compile: bool = False) -> tuple[list[int], dict]:
     """Plain autoregressive decoding: one target forward per token."""
     net, device = model.net, model.device
+    step = StepForward(net, compile)
     eos = set(model.eos_token_ids)
     t0, reads_before = time.perf_counter(), HOST_READS.count
     n = len(ids)
@@ -176,7 +185,7 @@ def _decode_ar(model: Model, ids: list[int], max_new_tokens: int, temperature: f
                 on_tokens([t])
             if t in eos or len(out) == max_new_tokens:
                 break
-            logits = net(tok[:, None], torch.tensor([pos], device=device), pos)
+            logits = step(tok[:, None], torch.tensor([pos], device=device), pos)
             pos += 1
     else:
         t_prefill = 0.0

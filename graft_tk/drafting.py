@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .backend import HOST_READS
+from .compiled import StepForward
 from .config import GraftConfig
 from .models import Model
 from .models.eagle3 import Eagle3Head
@@ -134,8 +135,9 @@ class ModelDrafter:
     """A small drafter model with the target's tokenizer (its own KV cache, kept across steps)."""
     target_layers = None
 
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, compile: bool = False):
         self.model, self.net = model, model.net
+        self.step = StepForward(model.net, compile, dynamic=True)   # its forwards change width
         self.kv_len = 0          # committed tokens whose KV is in the drafter's cache
 
     def start(self, n_prompt: int, max_len: int, features: Tensor | None) -> None:
@@ -144,15 +146,15 @@ class ModelDrafter:
 
     def draft(self, committed: list[int], cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
         # Run the committed tokens not yet in the cache (the root last), then expand from the root.
-        net, device, kv_len = self.net, self.model.device, self.kv_len
+        step, device, kv_len = self.step, self.model.device, self.kv_len
         pending = committed[kv_len:]
         P = len(pending)
-        logits = net(torch.tensor([pending], device=device), torch.arange(kv_len, kv_len + P, device=device),
-                     kv_len, last_only=True)[0]                               # [1, V]
+        logits = step(torch.tensor([pending], device=device), torch.arange(kv_len, kv_len + P, device=device),
+                      kv_len, last_only=True)[0]                               # [1, V]
         self.kv_len = len(committed)
 
         def forward(tokens, parent_rows, positions, start, attn_mask, mask_prefix):
-            return net(tokens[None], positions, start, attn_mask=attn_mask, mask_prefix=mask_prefix)[0]
+            return step(tokens[None], positions, start, attn_mask=attn_mask, mask_prefix=mask_prefix)[0]
 
         return expand(logits, forward, kv_len + P - 1, cfg, log_tau, ops)
 
@@ -209,12 +211,13 @@ class Eagle3Drafter:
         self.features = torch.cat([self.features, features[path]])
 
 
-def as_drafter(drafter: Model | Eagle3Head | Drafter | None) -> Drafter | None:
-    """Wrap what a caller passes as ``drafter=`` into a ``Drafter``."""
+def as_drafter(drafter: Model | Eagle3Head | Drafter | None, compile: bool = False) -> Drafter | None:
+    """Wrap what a caller passes as ``drafter=`` into a ``Drafter``; ``compile``: a drafter model's
+    step forwards run compiled (an EAGLE-3 head, one layer, always runs eagerly)."""
     if drafter is None:
         return None
     if isinstance(drafter, Eagle3Head):
         return Eagle3Drafter(drafter)
     if isinstance(drafter, Model):
-        return ModelDrafter(drafter)
+        return ModelDrafter(drafter, compile)
     return drafter

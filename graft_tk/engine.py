@@ -14,8 +14,10 @@ import torch
 
 from .acceptance import AcceptanceEstimates
 from .backend import HOST_READS, LAUNCHES, attention_backend
+from .compiled import StepForward
 from .config import PRUNES, USES_DRAFTER, USES_PROMPT_LOOKUP, USES_RETRIEVAL, GraftConfig
 from .drafting import DraftPool, as_drafter
+from .errors import InputError
 from .models import Model
 from .models.eagle3 import Eagle3Head
 from .ops import ops_for
@@ -29,16 +31,25 @@ ATTENTION_KERNEL = "_tree_attention_kernel"   # launched inside model forwards: 
 
 class Engine:
     def __init__(self, target: Model, drafter: Model | Eagle3Head | None = None, config: GraftConfig | None = None,
-                 backend: str = "auto", static_shapes: bool | None = None):
+                 backend: str = "auto", static_shapes: bool | None = None, compile: bool = False):
         # drafter: what the caller passed (a small Model or an EAGLE-3 head); drafting: it behind
         # the Drafter interface (start / draft / commit), the only way the loop talks to it.
-        self.target, self.drafter, self.drafting = target, drafter, as_drafter(drafter)
+        # compile: the step forwards of the target and of a drafter model run compiled
+        # (graft_tk.compiled), which needs the fixed verify shape.
+        if compile and static_shapes is False:
+            raise InputError("compile=True verifies every tree at its fixed budget; drop static_shapes=False")
+        self.target, self.drafter, self.drafting = target, drafter, as_drafter(drafter, compile)
         self.config = config or GraftConfig()
         self.ops = ops_for(backend, target.device)
+        self.compile = compile
+        self.target_step = StepForward(target.net, compile)
         # Verify every tree at the full budget N (padding masked, never accepted): one shape for
-        # every step and no host read of the tree's size. The default on a GPU; on a CPU, where a
-        # verify costs nearly in proportion to its rows and a host read is free, the exact size.
-        self.static_shapes = target.device.type == "cuda" if static_shapes is None else static_shapes
+        # every step and no host read of the tree's size. The default on a GPU and when compiled;
+        # on a CPU, where an eager verify costs nearly in proportion to its rows and a host read
+        # is free, the exact size.
+        if static_shapes is None:
+            static_shapes = compile or target.device.type == "cuda"
+        self.static_shapes = static_shapes
         self.template = template_from_level_sizes(self.config.template, self.config.retrieval_k).to(target.device)
         # M[V, k]: row t = the k tokens the target last ranked most likely after t (-1 = unknown).
         self.adjacency = new_adjacency(target.config.vocab_size, self.config.retrieval_k, target.device)
@@ -140,7 +151,7 @@ class Engine:
             # 7. Verify the whole tree in one target forward with tree attention.
             t = time.perf_counter()
             tokens = tree.tokens.clamp(min=0)[None]   # padding (token -1) runs as token 0, masked off
-            logits, features = _forward(tnet, layers, tokens, tree.positions(target_len), target_len,
+            logits, features = _forward(self.target_step, layers, tokens, tree.positions(target_len), target_len,
                                         attn_mask=tree.attn_mask(), mask_prefix=target_len)
             stats.add_time("verify", t)
             # 8. Accept the longest path the target agrees with, plus a bonus token; update M (when

@@ -118,9 +118,9 @@ class Eagle3Layer(nn.Module):
     def mlp(self, h: Tensor) -> Tensor:
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def forward(self, emb, h, cos, sin, kv, slots, mask):
+    def forward(self, emb, h, cos, sin, kv, layer, slots, mask):
         x, residual = self.attention_input(emb, h)
-        return self.mlp(residual + self.attention(x, cos, sin, kv, slots, mask))
+        return self.mlp(residual + self.attention(x, cos, sin, kv, layer, slots, mask))
 
 
 class Eagle3Head(nn.Module):
@@ -222,7 +222,7 @@ class Eagle3Head(nn.Module):
             h = self.fc(h)
         emb = F.embedding(tokens, self.embedding_weight).to(w.dtype)
         slots = torch.arange(start, start + T, device=tokens.device)
-        h = self.layer(emb, h, *self.rope.at(positions), self.kv[0], slots, mask)
+        h = self.layer(emb, h, *self.rope.at(positions), self.kv, 0, slots, mask)
         if last_only:
             h = h[:, -1:]
         draft = F.linear(self.norm(h), self.lm_head.weight).float()   # [B, T, draft_vocab]

@@ -173,14 +173,27 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         return q, k, v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, slots: Tensor, mask: AttentionMask) -> Tensor:
-        # x: [B, T, dim]; kv: this layer's cache [2, B, Hkv, S, Dh]; slots [T]: where the new K/V go
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, layer: int, slots: Tensor,
+                mask: AttentionMask) -> Tensor:
+        # x: [B, T, dim]; kv: the whole cache [L, 2, B, Hkv, S, Dh]; slots [T]: where the new K/V go
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        kv[0].index_copy_(2, slots, k.to(kv.dtype))
-        kv[1].index_copy_(2, slots, v.to(kv.dtype))
-        out = mask.attend(q.to(kv.dtype), kv[0], kv[1]).to(x.dtype)
+        write_kv(kv, layer, slots, k, v)
+        out = mask.attend(q.to(kv.dtype), kv[layer, 0], kv[layer, 1]).to(x.dtype)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def write_kv(kv: Tensor, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+    """kv[layer, 0 / 1, :, :, slots] = k / v ([B, Hkv, T, Dh]), one indexed write into the cache.
+
+    Indexed on the whole cache, not on a per-layer view: a compiled forward (torch.compile) then
+    writes the T new slots in place, where a write through a view of a graph input makes inductor
+    copy the entire cache in every layer.
+    """
+    which = torch.arange(2, device=kv.device)[:, None]                   # K, V
+    at_layer = torch.full((1, 1), layer, dtype=torch.long, device=kv.device)
+    new = torch.stack([k, v]).to(kv.dtype).permute(0, 3, 1, 2, 4)        # [2, T, B, Hkv, Dh]
+    kv[at_layer, which, :, :, slots[None]] = new
 
 
 class FeedForward(nn.Module):
@@ -203,8 +216,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, kv, slots, mask):
-        x = x + self.attention(self.attention_norm(x), cos, sin, kv, slots, mask)
+    def forward(self, x, cos, sin, kv, layer, slots, mask):
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer, slots, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -213,6 +226,17 @@ def causal_mask(start: int, T: int, device) -> Tensor:
     cols = torch.arange(start + T, device=device)
     rows = torch.arange(T, device=device)[:, None] + start
     return cols[None, :] <= rows
+
+
+def cache_visibility(cache_len: int, prefix: int | Tensor, block: Tensor) -> Tensor:
+    """[T, cache_len] bool over the whole static cache, from the split form (prefix, block): slots
+    [0, prefix) are visible to every row, slot prefix + j to row i iff ``block[i, j]``, and no
+    other slot. ``prefix`` may be a 0-d device tensor: the mask of a fixed-shape forward is then
+    built without the host knowing how long the context is."""
+    L = block.shape[1]
+    rel = torch.arange(cache_len, device=block.device) - prefix            # slot - prefix
+    in_block = (rel >= 0) & (rel < L)
+    return (rel < 0) | (in_block & block[:, rel.clamp(0, max(L - 1, 0))])
 
 
 @dataclass(frozen=True)
@@ -237,6 +261,17 @@ class AttentionMask:
         return self.kernel(q, k, v, self.prefix_len, self.block)
 
 
+def attention_kernel(backend: str) -> Callable:
+    """The tree attention of a resolved backend: the Triton kernel or the torch reference."""
+    # Imported here: graft_tk.kernels sets TRITON_INTERPRET before any kernel exists, and a
+    # torch-only user never imports Triton.
+    if backend == "triton":
+        from ..kernels.tree_attention import tree_attention
+    else:
+        from ..reference.tree_attention import tree_attention
+    return tree_attention
+
+
 def attention_mask(backend: str, start: int, T: int, attn_mask: Tensor | None, mask_prefix: int | None,
                    device) -> AttentionMask:
     """The ``AttentionMask`` of a forward of T new tokens at ``start`` (see Transformer.forward)."""
@@ -251,12 +286,7 @@ def attention_mask(backend: str, start: int, T: int, attn_mask: Tensor | None, m
         if backend == "triton" or mask_prefix is not None:
             raise InputError("a per-sequence attn_mask [B, T, S] needs the torch attention backend and no mask_prefix")
         return AttentionMask(per_sequence=attn_mask[:, None])  # [B, 1, T, S]: SDPA broadcasts over heads
-    # Imported here: graft_tk.kernels sets TRITON_INTERPRET before any kernel exists, and a
-    # torch-only user never imports Triton.
-    if backend == "triton":
-        from ..kernels.tree_attention import tree_attention as kernel
-    else:
-        from ..reference.tree_attention import tree_attention as kernel
+    kernel = attention_kernel(backend)
     if attn_mask is None:  # causal = every cached slot + lower-triangular over the new tokens
         return AttentionMask(start, torch.ones(T, T, dtype=torch.bool, device=device).tril(), kernel)
     return AttentionMask(prefix, attn_mask, kernel)
@@ -330,16 +360,34 @@ class Transformer(nn.Module):
             raise RuntimeError(f"KV cache holds {self.cache_len} slots; call setup_cache(>= {start + T})")
         backend = resolve_backend(self.attention_backend, tokens.device)
         mask = attention_mask(backend, start, T, attn_mask, mask_prefix, tokens.device)
+        slots = torch.arange(start, start + T, device=tokens.device)
+        return self._layers(tokens, positions, slots, mask, last_only, hidden_layers)
+
+    def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, visible: Tensor,
+                       last_only: bool = False, hidden_layers: tuple[int, ...] | None = None
+                       ) -> Tensor | tuple[Tensor, Tensor]:
+        """The fixed-shape forward (gpt-fast's ``input_pos`` form), what ``torch.compile`` captures:
+        the new K/V go to cache ``slots`` [T] (int64, on the device) and attention runs over all
+        S cache slots with ``visible`` [T, S] (``cache_visibility``), so no shape and no Python
+        value depends on the context length. The caller guarantees slots < S. Other arguments
+        and the result as ``forward``."""
+        S = self.cache_len
+        if visible.dtype != torch.bool or tuple(visible.shape) != (tokens.shape[1], S):
+            raise InputError(f"visible must be bool [T={tokens.shape[1]}, S={S}], got {visible.dtype} "
+                             f"{list(visible.shape)}")
+        kernel = attention_kernel(resolve_backend(self.attention_backend, tokens.device))
+        return self._layers(tokens, positions, slots, AttentionMask(0, visible, kernel), last_only, hidden_layers)
+
+    def _layers(self, tokens, positions, slots, mask, last_only, hidden_layers):
         if positions.dim() == 1:
             positions = positions[None].expand(tokens.shape[0], -1)
         if hidden_layers is not None and not (hidden_layers and all(0 <= i < len(self.layers) for i in hidden_layers)):
             raise InputError(f"hidden_layers must be layer indices in [0, {len(self.layers)}), got {hidden_layers}")
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope.at(positions)
-        slots = torch.arange(start, start + T, device=tokens.device)
         taken: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, self.kv[i], slots, mask)
+            x = layer(x, cos, sin, self.kv, i, slots, mask)
             if hidden_layers is not None and i in hidden_layers:
                 taken[i] = x
         if last_only:

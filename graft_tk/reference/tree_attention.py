@@ -84,16 +84,19 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tenso
     # Query head h = kv_head * group + g reads kv head h // group: the group's heads become rows of
     # one matmul per kv head. Queries go in chunks so that a long prefill's scores stay ~64 MB.
     qg = q.float().view(B, Hkv, group, T, D)
-    out = torch.empty(B, Hkv, group, T, D, device=q.device)
-    chunk = max(1, _SCORES_PER_CHUNK // max(Hq * kv_len, 1))
-    for t0 in range(0, T, chunk):
-        t1 = min(T, t0 + chunk)
+
+    def attend(t0: int, t1: int) -> Tensor:                              # queries [t0, t1)
         rows = qg[:, :, :, t0:t1].reshape(B, Hkv, group * (t1 - t0), D)
         scores = (rows @ keys.transpose(-1, -2)).view(B, Hkv, group, t1 - t0, kv_len) * scale
         scores = scores.masked_fill(~visible[t0:t1], float("-inf"))
         probs = torch.softmax(scores, dim=-1)                             # NaN on rows with no key
-        out[:, :, :, t0:t1] = (probs.view(B, Hkv, group * (t1 - t0), kv_len) @ values).view(
-            B, Hkv, group, t1 - t0, D)
-    out = out.view(B, Hq, T, D)
+        return (probs.view(B, Hkv, group * (t1 - t0), kv_len) @ values).view(B, Hkv, group, t1 - t0, D)
+
+    chunk = max(1, _SCORES_PER_CHUNK // max(Hq * kv_len, 1))
+    if T <= chunk:      # a decode step: one chunk (and, compiled, no loop over a symbolic T)
+        out = attend(0, T)
+    else:
+        out = torch.cat([attend(t0, min(T, t0 + chunk)) for t0 in range(0, T, chunk)], dim=3)
+    out = out.reshape(B, Hq, T, D)
     out = torch.where(visible.any(-1)[:, None], out, torch.zeros((), device=out.device))
     return out.to(q.dtype)

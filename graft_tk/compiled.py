@@ -1,0 +1,75 @@
+"""Step forwards, eager or compiled: what a decode step runs through a model after its prefill.
+
+``StepForward(net, compile)`` has ``Transformer.forward``'s signature. Eager, it is the model's
+forward. Compiled, it runs ``Transformer.forward_static`` under ``torch.compile(fullgraph=True)``:
+the slots and the visibility over the whole static cache are built here (two small device ops),
+so the compiled graph sees the same shapes at every step — one graph for a target's verify at its
+fixed budget N, one for a one-token ``ar`` step; a drafter, whose forwards change width (the
+committed tokens it has not seen, the frontier), is compiled with symbolic sizes (``dynamic``),
+one graph for one row and one for many. On a CPU inductor's
+``freezing`` packs the weights for oneDNN/MKL; on CUDA the graph is captured in a CUDA graph
+(``mode="reduce-overhead"``). The prefill, whose length differs per prompt, always runs eagerly.
+
+Compilation happens once per model and shape in a process (``compiled_forward`` keeps them), and
+takes minutes on a small CPU: it pays off over long generations and servers, not one short call.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+
+from .models.transformer import Transformer, cache_visibility
+
+# Compiled forward_static per model: Dynamo keys its graphs by code object, so every Transformer
+# of the process shares one limit of cached graphs (target and drafter widths, test models).
+_COMPILED: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()
+_GRAPHS_PER_CODE = 64
+
+
+def compiled_forward(net: Transformer, dynamic: bool = False):
+    """``net.forward_static`` compiled with no graph break (raises if one is needed); ``dynamic``:
+    sizes symbolic from the first call (else specialised, and symbolic only once one changes)."""
+    by_mode = _COMPILED.setdefault(net, {})
+    if dynamic not in by_mode:
+        import torch._dynamo
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _GRAPHS_PER_CODE)
+        if net.lm_head_weight.device.type == "cuda":
+            fn = torch.compile(net.forward_static, fullgraph=True, dynamic=dynamic or None, mode="reduce-overhead")
+        else:
+            fn = torch.compile(net.forward_static, fullgraph=True, dynamic=dynamic or None,
+                               options={"freezing": True})
+        by_mode[dynamic] = fn
+    return by_mode[dynamic]
+
+
+class StepForward:
+    """A model's step forward (``Transformer.forward`` arguments), compiled or not."""
+
+    def __init__(self, net: Transformer, compile: bool = False, dynamic: bool = False):
+        self.net = net
+        self.compiled = compiled_forward(net, dynamic) if compile else None
+        self._cuda_graphs = compile and net.lm_head_weight.device.type == "cuda"
+
+    def __call__(self, tokens: Tensor, positions: Tensor, start: int, attn_mask: Tensor | None = None,
+                 last_only: bool = False, mask_prefix: int | None = None,
+                 hidden_layers: tuple[int, ...] | None = None):
+        if self.compiled is None:
+            return self.net(tokens, positions, start, attn_mask=attn_mask, last_only=last_only,
+                            mask_prefix=mask_prefix, hidden_layers=hidden_layers)
+        T, device = tokens.shape[1], tokens.device
+        if start + T > self.net.cache_len:
+            raise RuntimeError(f"KV cache holds {self.net.cache_len} slots; call setup_cache(>= {start + T})")
+        if attn_mask is None:                          # causal: the cache, then lower-triangular
+            block, prefix = torch.ones(T, T, dtype=torch.bool, device=device).tril(), start
+        elif mask_prefix is not None:
+            block, prefix = attn_mask, mask_prefix
+        else:
+            block, prefix = attn_mask, 0
+        visible = cache_visibility(self.net.cache_len, prefix, block)
+        slots = torch.arange(start, start + T, device=device)
+        out = self.compiled(tokens, positions, slots, visible, last_only, hidden_layers)
+        if self._cuda_graphs:   # a CUDA graph's outputs are overwritten by its next replay
+            out = tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+        return out

@@ -1,0 +1,80 @@
+"""Compiled step forwards (``compile=True``): whole graphs with no break, the same tokens as eager.
+
+Real SmolLM2 weights in fp32, cut to a few layers: inductor compiles each graph in ~20 s on CI's
+two cores whatever the depth, and a graph per layer count is what a deeper model would add.
+"""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import graft_tk
+from graft_tk.compiled import StepForward
+from graft_tk.config import METHODS, USES_DRAFTER, GraftConfig
+from graft_tk.decode import encode_prompt
+from graft_tk.engine import Engine
+from graft_tk.errors import InputError
+from graft_tk.models.transformer import cache_visibility
+
+from .conftest import real_prompts
+
+SPECULATIVE = [m for m in METHODS if m != "ar"]
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_gguf):
+    return graft_tk.load_model("smollm2-135m", dtype="fp32", num_layers=6, progress=False)
+
+
+@pytest.fixture(scope="module")
+def drafter(smollm2_gguf):
+    return graft_tk.load_model("smollm2-135m", dtype="fp32", num_layers=2, progress=False)
+
+
+def test_cache_visibility_is_the_split_mask_over_the_whole_cache():
+    block = torch.tensor([[True, False, False], [True, True, False]])
+    got = cache_visibility(8, torch.tensor(2), block)          # prefix as a device tensor
+    want = torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0],
+                         [1, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(got, want)
+    assert torch.equal(cache_visibility(8, 2, block), want)     # or a Python int
+
+
+def test_compiled_forward_has_no_graph_break_and_matches_eager(target):
+    net = target.net
+    tokens = torch.tensor([[504, 3091, 282, 260, 6372]])
+    with torch.inference_mode():
+        net.setup_cache(64)
+        net.kv.zero_()
+        eager = net(tokens, torch.arange(5), 0)
+        eager_tree = net(tokens[:, :3], torch.tensor([5, 6, 6]), 5, mask_prefix=5,
+                         attn_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))
+        net.kv.zero_()
+        breaks_before = sum(counters["graph_break"].values())
+        step = StepForward(net, compile=True)                  # fullgraph: a break would raise
+        compiled = step(tokens, torch.arange(5), 0)
+        compiled_tree = step(tokens[:, :3], torch.tensor([5, 6, 6]), 5, mask_prefix=5,
+                             attn_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))
+    assert sum(counters["graph_break"].values()) == breaks_before
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(compiled_tree, eager_tree, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("prompt", real_prompts(n_humaneval=1, n_spec_bench=1), ids=lambda p: getattr(p, "id", "x"))
+def test_every_method_compiled_equals_ar(target, drafter, prompt):
+    ids = encode_prompt(target, prompt.text, chat=True)
+    eager = graft_tk.decode(target, ids, max_new_tokens=24)
+    ref = graft_tk.decode(target, ids, max_new_tokens=24, compile=True)
+    assert ref.tokens == eager.tokens and ref.stats["compile"] is True   # compiled ar == eager ar here
+    for method in SPECULATIVE:
+        got = graft_tk.decode(target, ids, drafter=drafter if method in USES_DRAFTER else None, method=method,
+                              config=GraftConfig(), max_new_tokens=24, compile=True)
+        assert got.tokens == ref.tokens, method
+        assert got.stats["host_syncs_per_step"] <= 1 + got.stats.get("drafter_forwards_per_step", 0), method
+
+
+def test_compile_needs_the_fixed_verify_shape(target):
+    with pytest.raises(InputError, match="static_shapes"):
+        Engine(target, None, GraftConfig(), compile=True, static_shapes=False)
+    engine = Engine(target, None, GraftConfig())
+    with pytest.raises(InputError, match="compile=True"):
+        graft_tk.decode(target, "Hi", method="retrieval", engine=engine, compile=True, max_new_tokens=2)
