@@ -103,6 +103,7 @@ class Task:
     seed: int = 0
     temperature: float = 0.0        # > 0: trials sample (seeded); outputs are then not compared with ar's
     top_p: float = 1.0
+    compile: bool = False           # compiled step forwards (each new budget N compiles a verify graph)
 
     def __post_init__(self):
         if self.objectives not in OBJECTIVES:
@@ -207,7 +208,7 @@ class Objective:
 def run_decode(task: Task, method: str, config: GraftConfig | None, ids: list[int], max_new_tokens: int):
     """One cold decode of the task's model pair (fresh Engine): (tokens, stats)."""
     return cold_decode(task.target, task.drafter, method, config, ids, max_new_tokens, task.temperature,
-                       task.seed, task.top_p)
+                       task.seed, task.top_p, task.compile)
 
 
 def reference_outputs(task: Task, prompts: list[Prompt]) -> tuple[list[list[int]], list[list[int]], list[float]]:
@@ -235,7 +236,8 @@ def warm_start(task: Task, encoded: list[list[int]], n_prompts: int = 2) -> Warm
         if method in USES_DRAFTER and task.drafter is None:
             continue
         for ids in encoded[:n_prompts]:
-            engine = Engine(task.target, task.drafter if method in USES_DRAFTER else None, base)
+            engine = Engine(task.target, task.drafter if method in USES_DRAFTER else None, base,
+                            compile=task.compile)
             engine.acceptance_log = log
             decode(task.target, ids, method=method, drafter=task.drafter, engine=engine,
                    max_new_tokens=task.max_new_tokens)

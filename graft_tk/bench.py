@@ -25,7 +25,8 @@ import json
 import os
 import platform
 import statistics
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -104,8 +105,14 @@ class Plan:
     repeats: int = 1
     anchors: HFAnchors | None = None
     top_p: float = 1.0
+    # "off" / "on": every method's step forwards eager / compiled (graft_tk.compiled); "both": each
+    # method twice, eager and as "<method>:compiled", interleaved in one run
+    compile: str = "off"
+    warmup_seconds: dict = field(default_factory=dict)   # per run name: the untimed first call (compiles)
 
     def __post_init__(self):
+        if self.compile not in COMPILE_MODES:
+            raise InputError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.repeats < 1:
             raise InputError(f"--repeats must be >= 1, got {self.repeats}")
         if self.max_new_tokens < 1:
@@ -118,24 +125,36 @@ class Plan:
                              "--drafter self:L (the target's first L layers)")
 
     @property
+    def our_names(self) -> tuple[str, ...]:
+        """Our runs: the methods, and with compile "both" each again as "<method>:compiled"."""
+        if self.compile == "both":
+            return self.methods + tuple(m + COMPILED_SUFFIX for m in self.methods)
+        return self.methods
+
+    @property
     def run_names(self) -> tuple[str, ...]:
-        """Our methods, then the anchors still runnable."""
-        return self.methods + (self.anchors.names if self.anchors else ())
+        """Our runs, then the anchors still runnable."""
+        return self.our_names + (self.anchors.names if self.anchors else ())
 
     def run_once(self, name: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
-        if name not in self.methods:
+        if name not in self.our_names:
             return self.anchors.run(name, ids, max_new_tokens, self.temperature, self.seed, self.top_p)
-        return cold_decode(self.target, self.drafter, name, self.config, ids, max_new_tokens, self.temperature,
-                           self.seed, self.top_p)
+        compiled = self.compile == "on" or name.endswith(COMPILED_SUFFIX)
+        return cold_decode(self.target, self.drafter, name.removesuffix(COMPILED_SUFFIX), self.config, ids,
+                           max_new_tokens, self.temperature, self.seed, self.top_p, compiled)
+
+
+COMPILE_MODES = ("off", "on", "both")
+COMPILED_SUFFIX = ":compiled"
 
 
 def cold_decode(target: Model, drafter: Model | Eagle3Head | None, method: str, config: GraftConfig | None,
                 ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-                seed: int = 0, top_p: float = 1.0) -> tuple[list[int], dict]:
+                seed: int = 0, top_p: float = 1.0, compile: bool = False) -> tuple[list[int], dict]:
     """One decode from a fresh Engine (cold adjacency matrix, no state from earlier runs): (tokens, stats)."""
-    engine = None if method == "ar" else Engine(target, drafter, config)
+    engine = None if method == "ar" else Engine(target, drafter, config, compile=compile)
     r = decode(target, ids, method=method, drafter=drafter, config=config, engine=engine,
-               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, compile=compile)
     return r.tokens, r.stats
 
 
@@ -149,8 +168,10 @@ def run(plan: Plan, on_run: Callable[[Prompt, str], None] | None = None) -> list
             raise InputError(f"prompt {p.id} ({len(ids)} tokens) + --max-new-tokens {plan.max_new_tokens} exceeds "
                              f"{plan.target.name}'s context of {context}; lower --max-new-tokens or drop the prompt")
         encoded.append((p, ids))
-    for name in plan.run_names:
+    for name in plan.run_names:   # untimed; compiles the graphs of a compiled run
+        t = time.perf_counter()
         _guarded(plan, name, encoded[0][1], min(WARMUP_TOKENS, plan.max_new_tokens))
+        plan.warmup_seconds[name] = time.perf_counter() - t
 
     rows = []
     for i, (prompt, ids) in enumerate(encoded):
@@ -174,7 +195,7 @@ def run(plan: Plan, on_run: Callable[[Prompt, str], None] | None = None) -> list
 
 def _guarded(plan: Plan, name: str, ids: list[int], max_new_tokens: int):
     """Our methods raise; an anchor that raises is recorded, disabled, and returns None."""
-    if name in plan.methods:
+    if name in plan.our_names:
         return plan.run_once(name, ids, max_new_tokens)
     if name not in plan.anchors.names:
         return None
@@ -307,7 +328,8 @@ def build_report(plan: Plan, rows: list[dict], args: dict | None = None) -> dict
                    "dtype": str(plan.target.dtype).removeprefix("torch."), "device": str(plan.target.device),
                    "methods": list(plan.methods), "max_new_tokens": plan.max_new_tokens,
                    "temperature": plan.temperature, "top_p": plan.top_p, "seed": plan.seed, "repeats": plan.repeats,
-                   "graft": asdict(plan.config), "args": args or {}},
+                   "compile": plan.compile, "graft": asdict(plan.config), "args": args or {}},
+        "warmup_seconds": plan.warmup_seconds,
         "prompts": [{"id": p.id, "category": p.category} for p in plan.prompts],
         "anchors": plan.anchors.status if plan.anchors else {},
         "runs": rows,

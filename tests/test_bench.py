@@ -130,3 +130,19 @@ def test_summary_pools_counts_and_marks_mismatches(tmp_path):
     from graft_tk.plots import plot_summary
     plot_summary(summary, tmp_path / "s.png")                    # anchors without MAT, two categories
     assert (tmp_path / "s.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_compile_both_runs_every_method_eager_and_compiled(smollm2, monkeypatch):
+    from graft_tk.config import GraftConfig
+    from graft_tk.errors import InputError
+    from graft_tk.prompts import Prompt
+    prompts = [Prompt("hi", "chat", "Say hi.")]
+    plan = bench.Plan(smollm2, None, GraftConfig(), ("ar", "retrieval"), prompts, 4, compile="both")
+    assert plan.run_names == ("ar", "retrieval", "ar:compiled", "retrieval:compiled")
+    calls = []
+    monkeypatch.setattr(bench, "cold_decode", lambda t, d, method, *a: calls.append((method, a[-1])) or ([], {}))
+    for name in plan.run_names:
+        plan.run_once(name, [1, 2], 4)
+    assert calls == [("ar", False), ("retrieval", False), ("ar", True), ("retrieval", True)]
+    with pytest.raises(InputError, match="--compile"):
+        bench.Plan(smollm2, None, GraftConfig(), ("ar",), prompts, 4, compile="yes")

@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-anchors", dest="anchors", action="store_const", const="none", help="skip the HF anchors")
     p.add_argument("--json", default=None, metavar="OUT", help="write the full report (JSON) here")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write tokens/s-vs-MAT and speedup plots here")
+    p.add_argument("--compile", nargs="?", const="on", default="off", choices=bench.COMPILE_MODES,
+                   help="run the step forwards compiled (torch.compile; minutes per model on a small CPU, in "
+                        "the untimed warm-up); 'both' runs every method eager and as '<method>:compiled' in one "
+                        "interleaved run")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -130,7 +134,7 @@ def _run(args) -> dict:
         print(f"config from {profile.path}", file=sys.stderr)
     plan = bench.Plan(target, drafter, config, methods, prompts, args.max_new_tokens, args.temperature,
                       args.seed, args.repeats, HFAnchors(target, drafter, anchors) if anchors else None,
-                      top_p=args.top_p)
+                      top_p=args.top_p, compile=args.compile)
 
     total = len(prompts) * len(plan.run_names) * args.repeats
     with tqdm(total=total, desc="graft-bench", unit="run", disable=None, file=sys.stderr) as bar:
@@ -140,6 +144,9 @@ def _run(args) -> dict:
         rows = bench.run(plan, on_run)
 
     report = bench.build_report(plan, rows, dict(vars(args)))
+    if args.compile != "off":
+        print("warm-up (compiles): " + ", ".join(f"{n} {t:.0f} s" for n, t in plan.warmup_seconds.items()),
+              file=sys.stderr)
     if args.json:
         bench.write_json(args.json, report)
     if args.plot:

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="calibrate for sampling at this temperature (default 0: greedy, outputs checked against ar)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus cut when sampling (default: %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode with compiled step forwards (torch.compile; each budget N tried compiles a graph)")
     p.add_argument("--show", action="store_true", help="list profiles and studies, then exit")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -99,9 +101,12 @@ def run(args) -> int:
     tune, held_out = split_prompts(load_prompts(args.prompts), args.n_prompts, args.validate)
     task = search.Task(target=target, drafter=drafter, prompts=tune, validation=held_out,
                        max_new_tokens=args.max_new_tokens, methods=methods, objectives=args.objectives,
-                       repeats=args.repeats, seed=args.seed, temperature=args.temperature, top_p=args.top_p)
+                       repeats=args.repeats, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
+                       compile=args.compile)
     storage = args.storage or search.default_storage()
-    name = args.study_name or search.default_study_name(target, drafter, args.objectives)
+    # compiled forwards have their own cost curve: their trials go to a study of their own
+    name = args.study_name or (search.default_study_name(target, drafter, args.objectives)
+                               + ("-compiled" if args.compile else ""))
     study = search.open_study(storage, name, task)
     print(f"study {name!r} in {storage}: {len(study.trials)} earlier trials; running {args.trials} more "
           f"on {len(tune)} prompts x {args.max_new_tokens} tokens", file=sys.stderr)

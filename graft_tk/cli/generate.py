@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default bf16)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--compile", action="store_true",
+                   help="run the step forwards compiled (torch.compile; the first call compiles, minutes on a CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, stats) instead")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         result = decode(target, prompt, drafter=drafter, method=args.method, config=config,
                         max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
-                        on_tokens=streamer)
+                        on_tokens=streamer, compile=args.compile)
     except GraftError as e:
         print(f"graft-generate: error: {e}", file=sys.stderr)
         return 2
