@@ -8,7 +8,6 @@ tests, never for speed.
 """
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 
 import torch
@@ -64,17 +63,3 @@ class HostReads:
 
 
 HOST_READS = HostReads()
-
-
-@contextlib.contextmanager
-def attention_backend(nets, backend: str):
-    """Run the given Transformers' attention on ``backend`` inside the block, then restore them."""
-    nets = [n for n in nets if n is not None]
-    before = [n.attention_backend for n in nets]
-    for n in nets:
-        n.attention_backend = backend
-    try:
-        yield
-    finally:
-        for n, b in zip(nets, before):
-            n.attention_backend = b

@@ -54,10 +54,10 @@ class StepForward:
 
     def __call__(self, tokens: Tensor, positions: Tensor, start: int, attn_mask: Tensor | None = None,
                  last_only: bool = False, mask_prefix: int | None = None,
-                 hidden_layers: tuple[int, ...] | None = None):
+                 hidden_layers: tuple[int, ...] | None = None, attention=None):
         if self.compiled is None:
             return self.net(tokens, positions, start, attn_mask=attn_mask, last_only=last_only,
-                            mask_prefix=mask_prefix, hidden_layers=hidden_layers)
+                            mask_prefix=mask_prefix, hidden_layers=hidden_layers, attention=attention)
         T, device = tokens.shape[1], tokens.device
         if start + T > self.net.cache_len:
             raise RuntimeError(f"KV cache holds {self.net.cache_len} slots; call setup_cache(>= {start + T})")
@@ -69,7 +69,7 @@ class StepForward:
             block, prefix = attn_mask, 0
         visible = cache_visibility(self.net.cache_len, prefix, block)
         slots = torch.arange(start, start + T, device=device)
-        out = self.compiled(tokens, positions, slots, visible, last_only, hidden_layers)
+        out = self.compiled(tokens, positions, slots, visible, last_only, hidden_layers, attention)
         if self._cuda_graphs:   # a CUDA graph's outputs are overwritten by its next replay
             out = tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
         return out

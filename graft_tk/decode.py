@@ -8,13 +8,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from .backend import HOST_READS, attention_backend, resolve_backend
+from .backend import HOST_READS, resolve_backend
 from .compiled import StepForward
 from .config import METHODS, USES_DRAFTER, GraftConfig
 from .engine import Engine
 from .errors import InputError
 from .models import Model
 from .models.eagle3 import Eagle3Head
+from .ops import ops_for
 from .sampling import check_sampling_args, next_token
 
 
@@ -105,9 +106,8 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
         generator.manual_seed(seed if seed is not None else torch.seed())
     with torch.inference_mode():
         if method == "ar" or max_new_tokens == 0:
-            with attention_backend([target.net], backend):
-                tokens, stats = _decode_ar(target, ids, max_new_tokens, temperature, top_p, generator, on_tokens,
-                                           compile)
+            tokens, stats = _decode_ar(target, ids, max_new_tokens, temperature, top_p, generator, on_tokens,
+                                       compile, ops_for(backend, target.device).tree_attention)
         else:
             engine = engine or Engine(target, drafter, config, backend, compile=compile)
             tokens, stats = engine.generate(ids, method, max_new_tokens, temperature, top_p, generator, on_tokens)
@@ -164,7 +164,7 @@ def _resolve_config(target: Model, drafter: Model | Eagle3Head | None, method: s
 
 
 def _decode_ar(model: Model, ids: list[int], max_new_tokens: int, temperature: float, top_p: float,
-               generator, on_tokens, compile: bool = False) -> tuple[list[int], dict]:
+               generator, on_tokens, compile: bool = False, attention=None) -> tuple[list[int], dict]:
     """Plain autoregressive decoding: one target forward per token."""
     net, device = model.net, model.device
     step = StepForward(net, compile)
@@ -174,7 +174,8 @@ def _decode_ar(model: Model, ids: list[int], max_new_tokens: int, temperature: f
     net.setup_cache(n + max_new_tokens)
     out: list[int] = []
     if max_new_tokens > 0:
-        logits = net(torch.tensor([ids], device=device), torch.arange(n, device=device), 0, last_only=True)
+        logits = net(torch.tensor([ids], device=device), torch.arange(n, device=device), 0, last_only=True,
+                     attention=attention)
         t_prefill = time.perf_counter() - t0
         pos = n
         while True:
@@ -185,7 +186,7 @@ def _decode_ar(model: Model, ids: list[int], max_new_tokens: int, temperature: f
                 on_tokens([t])
             if t in eos or len(out) == max_new_tokens:
                 break
-            logits = step(tok[:, None], torch.tensor([pos], device=device), pos)
+            logits = step(tok[:, None], torch.tensor([pos], device=device), pos, attention=attention)
             pos += 1
     else:
         t_prefill = 0.0

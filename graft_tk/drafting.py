@@ -62,7 +62,7 @@ class DraftPool:
 
 class Drafter(Protocol):
     """What the engine needs from a drafter (see the module docstring)."""
-    net: nn.Module                          # the network whose attention backend the engine sets
+    net: nn.Module                          # the drafter's network
     target_layers: tuple[int, ...] | None   # target features to request in prefill / verify (None: none)
 
     def start(self, n_prompt: int, max_len: int, features: Tensor | None) -> None:
@@ -150,11 +150,12 @@ class ModelDrafter:
         pending = committed[kv_len:]
         P = len(pending)
         logits = step(torch.tensor([pending], device=device), torch.arange(kv_len, kv_len + P, device=device),
-                      kv_len, last_only=True)[0]                               # [1, V]
+                      kv_len, last_only=True, attention=ops.tree_attention)[0]      # [1, V]
         self.kv_len = len(committed)
 
         def forward(tokens, parent_rows, positions, start, attn_mask, mask_prefix):
-            return step(tokens[None], positions, start, attn_mask=attn_mask, mask_prefix=mask_prefix)[0]
+            return step(tokens[None], positions, start, attn_mask=attn_mask, mask_prefix=mask_prefix,
+                        attention=ops.tree_attention)[0]
 
         return expand(logits, forward, kv_len + P - 1, cfg, log_tau, ops)
 
@@ -191,7 +192,7 @@ class Eagle3Drafter:
         device = feats.device
         tokens = torch.tensor([committed[self.kv_len + 1:self.kv_len + 1 + P]], device=device)
         logits, hidden = head(tokens, torch.arange(self.kv_len, self.kv_len + P, device=device), self.kv_len,
-                              last_only=True, features=feats[None])          # [1, 1, V], [1, 1, H]
+                              last_only=True, features=feats[None], attention=ops.tree_attention)  # [1, 1, V]
         root_slot = self.kv_len + P - 1
         self.kv_len += P
         self.features = feats[:0]
@@ -199,7 +200,7 @@ class Eagle3Drafter:
 
         def forward(tokens, parent_rows, positions, start, attn_mask, mask_prefix):
             lg, h = head(tokens[None], positions, start, attn_mask=attn_mask, mask_prefix=mask_prefix,
-                         features=state["hidden"][parent_rows][None])
+                         features=state["hidden"][parent_rows][None], attention=ops.tree_attention)
             state["hidden"] = h[0]
             return lg[0]
 

@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 
 from .acceptance import AcceptanceEstimates
-from .backend import HOST_READS, LAUNCHES, attention_backend
+from .backend import HOST_READS, LAUNCHES
 from .compiled import StepForward
 from .config import PRUNES, USES_DRAFTER, USES_PROMPT_LOOKUP, USES_RETRIEVAL, GraftConfig
 from .drafting import DraftPool, as_drafter
@@ -83,11 +83,6 @@ class Engine:
     def generate(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
                  generator, on_tokens) -> tuple[list[int], dict]:
         """Speculative decoding of ``ids``: returns (new tokens, stats)."""
-        drafter_net = self.drafting.net if self.drafting is not None else None
-        with attention_backend([self.target.net, drafter_net], self.ops.backend):
-            return self._generate(ids, method, max_new_tokens, temperature, top_p, generator, on_tokens)
-
-    def _generate(self, ids, method, max_new_tokens, temperature, top_p, generator, on_tokens):
         cfg, ops, target, tnet = self.config, self.ops, self.target, self.target.net
         device, eos = target.device, set(target.eos_token_ids)
         use_drafter, use_retrieval = method in USES_DRAFTER, method in USES_RETRIEVAL
@@ -106,7 +101,8 @@ class Engine:
         # Prefill: the prompt's logits give the first token (and warm M when asked to).
         warm = use_retrieval and cfg.warm_from_prefill
         prompt = torch.tensor([ids], device=device)
-        logits, features = _forward(tnet, layers, prompt, torch.arange(n, device=device), 0, last_only=not warm)
+        logits, features = _forward(tnet, layers, prompt, torch.arange(n, device=device), 0, last_only=not warm,
+                                    attention=ops.tree_attention)
         if warm:
             warm_adjacency(self.adjacency, prompt[0], logits)
         if drafter is not None:
@@ -152,7 +148,8 @@ class Engine:
             t = time.perf_counter()
             tokens = tree.tokens.clamp(min=0)[None]   # padding (token -1) runs as token 0, masked off
             logits, features = _forward(self.target_step, layers, tokens, tree.positions(target_len), target_len,
-                                        attn_mask=tree.attn_mask(), mask_prefix=target_len)
+                                        attn_mask=tree.attn_mask(), mask_prefix=target_len,
+                                        attention=ops.tree_attention)
             stats.add_time("verify", t)
             # 8. Accept the longest path the target agrees with, plus a bonus token; update M (when
             # this method reads it) and the acceptance estimates.

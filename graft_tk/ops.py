@@ -21,14 +21,16 @@ class Ops:
     build_tree: Callable       # prune + rerank + graft + tree tensors + mask bits
     accept: Callable           # greedy / sampling acceptance + adjacency update
     commit_kv: Callable        # move the accepted path's KV into place, all layers
+    tree_attention: Callable   # the attention of every model forward: a visible prefix + a masked block
 
 
 def ops_for(backend: str, device: torch.device | str) -> Ops:
     """The ops for ``backend`` ("auto" | "triton" | "torch") on ``device``."""
     backend = resolve_backend(backend, device)
     if backend == "triton":
-        from .kernels import accept, draft_expand, graft_merge, kv_commit, retrieval
+        from .kernels import accept, draft_expand, graft_merge, kv_commit, retrieval, tree_attention
     else:
-        from .reference import accept, draft_expand, graft_merge, kv_commit, retrieval
+        from .reference import accept, draft_expand, graft_merge, kv_commit, retrieval, tree_attention
     return Ops(backend=backend, draft_expand=draft_expand.draft_expand, retrieve=retrieval.retrieve,
-               build_tree=graft_merge.build_tree, accept=accept.accept, commit_kv=kv_commit.commit_kv)
+               build_tree=graft_merge.build_tree, accept=accept.accept, commit_kv=kv_commit.commit_kv,
+               tree_attention=tree_attention.tree_attention)

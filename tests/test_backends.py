@@ -57,7 +57,6 @@ def test_triton_backend_gives_the_torch_backend_tokens(pair, method):
         # the launch goal per step outside the model forwards: drafter depths + 6
         assert s["kernel_launches_per_step"] > 0 and s["kernel_launches_max_minus_depth"] <= 6, s
         assert ref.stats["kernel_launches_per_step"] is None      # torch backend launches no kernels
-    assert target.net.attention_backend == "torch"                # restored after the call
 
 
 def test_triton_backend_sampling_matches_torch_with_the_same_seed(pair):

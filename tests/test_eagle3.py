@@ -12,6 +12,7 @@ from graft_tk.models import Model
 from graft_tk.models.checkpoint import load_transformer, read_config
 from graft_tk.models.eagle3 import Eagle3Config, Eagle3Head, default_target_layers
 from graft_tk.models.eagle3_checkpoint import Eagle3CheckpointError, load_eagle3, save_eagle3
+from graft_tk.ops import ops_for
 
 from .kernel_utils import DEVICE, on_device
 from .tolerances import LOGITS_FP32_ATOL
@@ -303,7 +304,7 @@ def test_tree_step_equals_running_each_path_causally(target, backend):
     node's logits must equal those of its root-to-node path run causally on a fresh cache."""
     _, model = target
     head = _random_head(model, own_embedding=True).to(DEVICE)   # own embedding: .to() moves all of it
-    head.attention_backend = backend
+    attention = ops_for(backend, DEVICE).tree_attention
     g = torch.Generator().manual_seed(5)
     P = 10
     prefix, feats = on_device(torch.randint(0, VOCAB, (1, P), generator=g), torch.randn(1, P, 3 * DIM, generator=g))
@@ -313,16 +314,16 @@ def test_tree_step_equals_running_each_path_causally(target, backend):
     mask = on_device(torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool))
     with torch.inference_mode():
         head.setup_cache(32)
-        head(prefix, on_device(torch.arange(P)), 0, features=feats)
-        tree_logits, tree_h = head(nodes, pos, P, attn_mask=mask, mask_prefix=P, features=node_h)
+        head(prefix, on_device(torch.arange(P)), 0, features=feats, attention=attention)
+        tree_logits, tree_h = head(nodes, pos, P, attn_mask=mask, mask_prefix=P, features=node_h, attention=attention)
         for i in range(4):
             path = [i]
             while parents[path[0]] >= 0:
                 path.insert(0, parents[path[0]])
             idx = on_device(torch.tensor(path))
             head.kv.zero_()
-            head(prefix, on_device(torch.arange(P)), 0, features=feats)
-            ref, ref_h = head(nodes[:, idx], pos[idx], P, features=node_h[:, idx])   # causal
+            head(prefix, on_device(torch.arange(P)), 0, features=feats, attention=attention)
+            ref, ref_h = head(nodes[:, idx], pos[idx], P, features=node_h[:, idx], attention=attention)   # causal
             assert (ref[0, -1, head.t2d] - tree_logits[0, i, head.t2d]).abs().max() <= LOGITS_FP32_ATOL, (backend, i)
             assert (ref_h[0, -1] - tree_h[0, i]).abs().max() <= LOGITS_FP32_ATOL, (backend, i)
 

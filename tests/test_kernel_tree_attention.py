@@ -15,6 +15,7 @@ from graft_tk.backend import LAUNCHES
 from graft_tk.kernels.tree_attention import block_sizes
 from graft_tk.kernels.tree_attention import tree_attention as tree_attention_triton
 from graft_tk.models.transformer import ModelConfig, Transformer
+from graft_tk.ops import ops_for
 from graft_tk.reference.tree_attention import tree_attention as tree_attention_torch
 from graft_tk.tree import Tree
 
@@ -176,18 +177,19 @@ def tiny_net():
 def _decode_steps(net, backend):
     """Prefill 20 tokens, one T = 1 step, a tree verify (split mask), the same verify with the full
     mask, and a drafter-style frontier forward (prefix = committed + root, mask over scratch slots)."""
-    net.attention_backend = backend
+    attention = ops_for(backend, DEVICE).tree_attention
     net.kv.zero_()
     g = torch.Generator().manual_seed(8)
     tokens = on_device(torch.randint(0, 97, (1, 40), generator=g))
     tree = random_tree(9, seed=8, vocab=97, device=DEVICE)
     with torch.inference_mode():
-        out = {"prefill": net(tokens[:, :20], torch.arange(20, device=DEVICE), 0),
-               "decode": net(tokens[:, 20:21], torch.tensor([20], device=DEVICE), 20)}
+        out = {"prefill": net(tokens[:, :20], torch.arange(20, device=DEVICE), 0, attention=attention),
+               "decode": net(tokens[:, 20:21], torch.tensor([20], device=DEVICE), 20, attention=attention)}
         tree_mask = tree.attn_mask()
-        out["tree"] = net(tree.tokens[None], tree.positions(21), 21, attn_mask=tree_mask, mask_prefix=21)
+        out["tree"] = net(tree.tokens[None], tree.positions(21), 21, attn_mask=tree_mask, mask_prefix=21,
+                          attention=attention)
         full = torch.cat([torch.ones(9, 21, dtype=torch.bool, device=DEVICE), tree_mask], dim=1)
-        out["tree-full-mask"] = net(tree.tokens[None], tree.positions(21), 21, attn_mask=full)
+        out["tree-full-mask"] = net(tree.tokens[None], tree.positions(21), 21, attn_mask=full, attention=attention)
         # 3 frontier nodes at slots 30..32 whose parents sit at scratch slots 22, 24, 24; the root
         # (slot 21) joins the prefix, so mask column j is slot 22 + j.
         scratch = torch.zeros(3, 11, dtype=torch.bool, device=DEVICE)
@@ -195,14 +197,13 @@ def _decode_steps(net, backend):
         scratch[1, [2, 9]] = True
         scratch[2, [2, 10]] = True
         out["frontier"] = net(tokens[:, 30:33], torch.full((3,), 23, device=DEVICE), 30, attn_mask=scratch,
-                              mask_prefix=22)
+                              mask_prefix=22, attention=attention)
     return out
 
 
 def test_model_triton_backend_matches_torch(tiny_net):
     want = _decode_steps(tiny_net, "torch")
     got = _decode_steps(tiny_net, "triton")
-    tiny_net.attention_backend = "torch"
     # The split mask is the same mask: bit-for-bit on the torch path.
     assert torch.equal(want["tree"], want["tree-full-mask"])
     # Measured: max |triton - torch| <= 5e-7 on logits of magnitude ~2 (fp32 sums in another order).
@@ -211,8 +212,8 @@ def test_model_triton_backend_matches_torch(tiny_net):
 
 
 def test_model_rejects_bad_backend_and_mask_shape(tiny_net):
-    with pytest.raises(ValueError, match="unknown attention backend"):
-        tiny_net.attention_backend = "cuda"
+    with pytest.raises(ValueError, match="unknown backend"):
+        ops_for("cuda", DEVICE)
     with pytest.raises(ValueError, match=r"attn_mask must be \[T, start \+ T - mask_prefix\]"):
         tiny_net(torch.zeros(1, 2, dtype=torch.long, device=DEVICE), torch.arange(2, device=DEVICE), 5,
                  attn_mask=torch.ones(2, 7, dtype=torch.bool, device=DEVICE), mask_prefix=5)

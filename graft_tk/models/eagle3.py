@@ -27,12 +27,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..backend import resolve_backend
 from ..errors import InputError
 from .transformer import (Attention, FeedForward, ModelConfig, RMSNorm, Transformer, attention_mask,
                           new_cache, rope_inv_freq)
@@ -127,8 +127,7 @@ class Eagle3Head(nn.Module):
     """An EAGLE-3 draft head. ``embedding``: the target's token embedding weight [V, hidden] to
     share (not saved, not moved by ``.to()``); None = the head owns one (``tok_embeddings``)."""
 
-    # The same cache bookkeeping as the Transformer's (they only touch self.kv / the backend name).
-    attention_backend = Transformer.attention_backend
+    # The same cache bookkeeping as the Transformer's (they only touch self.kv).
     cache_len = Transformer.cache_len
     commit_kv = Transformer.commit_kv
 
@@ -157,7 +156,6 @@ class Eagle3Head(nn.Module):
         self.rope = None                 # RopeTable, see setup_cache
         self.name: str = "eagle3"          # load_eagle3 sets name and path; profiles key on them
         self.path: Path | None = None
-        self.attention_backend = "torch"
 
     @property
     def target_layers(self) -> tuple[int, ...]:
@@ -194,7 +192,7 @@ class Eagle3Head(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int, attn_mask: Tensor | None = None,
                 last_only: bool = False, mask_prefix: int | None = None, *,
-                features: Tensor) -> tuple[Tensor, Tensor]:
+                features: Tensor, attention: Callable | None = None) -> tuple[Tensor, Tensor]:
         """Run new entries against the head's cache (arguments as ``Transformer.forward``).
 
         tokens:   [B, T] the token of each entry (the one AFTER the token the features describe)
@@ -212,8 +210,7 @@ class Eagle3Head(nn.Module):
         if features.shape[:2] != tokens.shape or features.shape[-1] not in (c.fused_size, c.hidden_size):
             raise InputError(f"features must be [B, T, {c.fused_size}] (target) or [B, T, {c.hidden_size}] "
                              f"(head), got {list(features.shape)} for tokens {list(tokens.shape)}")
-        backend = resolve_backend(self.attention_backend, tokens.device)
-        mask = attention_mask(backend, start, T, attn_mask, mask_prefix, tokens.device)
+        mask = attention_mask(attention, start, T, attn_mask, mask_prefix, tokens.device)
         if positions.dim() == 1:
             positions = positions[None].expand(tokens.shape[0], -1)
         w = self.fc.weight

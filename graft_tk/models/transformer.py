@@ -17,11 +17,11 @@ Speculative decoding needs two things from the forward pass:
     all-True columns of the prefix.
   * explicit positions: a tree node's RoPE position is ``prefix_len + depth``, not its slot.
 
-Attention runs on one of two backends (``Transformer.attention_backend``), both in the tree
-attention form (a visible prefix plus a masked block): ``"torch"`` (``graft_tk.reference.
-tree_attention``, the default: a GQA group's heads share one matmul per kv head, no K/V copies)
-or ``"triton"`` (``graft_tk.kernels.tree_attention``: flash-style, prefix keys read without a
-mask); ``"auto"`` = Triton on CUDA, torch elsewhere.
+Attention is the tree-attention op (a visible prefix plus a masked block) that the caller passes
+as ``attention=`` — ``ops.tree_attention`` of the step's backend: the torch reference
+(``graft_tk.reference.tree_attention``, the default: a GQA group's heads share one matmul per kv
+head, no K/V copies) or the Triton kernel (``graft_tk.kernels.tree_attention``: flash-style,
+prefix keys read without a mask).
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..backend import BACKENDS, resolve_backend
 from ..errors import InputError
+from ..reference.tree_attention import tree_attention as reference_attention
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -243,7 +243,7 @@ def cache_visibility(cache_len: int, prefix: int | Tensor, block: Tensor) -> Ten
 class AttentionMask:
     """One forward's mask, built once for all layers: cached keys [0, prefix_len) are visible to
     every new token and ``block`` [T, L] says which of the next L keys each one sees (the form of
-    ``graft_tk.reference.tree_attention``); ``kernel`` is the backend's tree attention (Triton
+    ``graft_tk.reference.tree_attention``); ``kernel`` is the tree attention that runs it (Triton
     kernel or torch reference, one signature). ``per_sequence`` [B, 1, T, S] instead gives every
     sequence of a batch its own full mask (left-padded batches; SDPA).
     """
@@ -261,18 +261,7 @@ class AttentionMask:
         return self.kernel(q, k, v, self.prefix_len, self.block)
 
 
-def attention_kernel(backend: str) -> Callable:
-    """The tree attention of a resolved backend: the Triton kernel or the torch reference."""
-    # Imported here: graft_tk.kernels sets TRITON_INTERPRET before any kernel exists, and a
-    # torch-only user never imports Triton.
-    if backend == "triton":
-        from ..kernels.tree_attention import tree_attention
-    else:
-        from ..reference.tree_attention import tree_attention
-    return tree_attention
-
-
-def attention_mask(backend: str, start: int, T: int, attn_mask: Tensor | None, mask_prefix: int | None,
+def attention_mask(kernel: Callable | None, start: int, T: int, attn_mask: Tensor | None, mask_prefix: int | None,
                    device) -> AttentionMask:
     """The ``AttentionMask`` of a forward of T new tokens at ``start`` (see Transformer.forward)."""
     prefix = mask_prefix or 0
@@ -283,10 +272,10 @@ def attention_mask(backend: str, start: int, T: int, attn_mask: Tensor | None, m
         form = "[T, start + T]" if mask_prefix is None else "[T, start + T - mask_prefix]"
         raise InputError(f"attn_mask must be {form} = [{T}, {start + T - prefix}], got {list(attn_mask.shape)}")
     if attn_mask is not None and attn_mask.dim() == 3:  # one mask per sequence, e.g. left-padded batches
-        if backend == "triton" or mask_prefix is not None:
-            raise InputError("a per-sequence attn_mask [B, T, S] needs the torch attention backend and no mask_prefix")
+        if kernel not in (None, reference_attention) or mask_prefix is not None:
+            raise InputError("a per-sequence attn_mask [B, T, S] runs on SDPA: pass no attention= and no mask_prefix")
         return AttentionMask(per_sequence=attn_mask[:, None])  # [B, 1, T, S]: SDPA broadcasts over heads
-    kernel = attention_kernel(backend)
+    kernel = kernel or reference_attention
     if attn_mask is None:  # causal = every cached slot + lower-triangular over the new tokens
         return AttentionMask(start, torch.ones(T, T, dtype=torch.bool, device=device).tril(), kernel)
     return AttentionMask(prefix, attn_mask, kernel)
@@ -303,19 +292,6 @@ class Transformer(nn.Module):
         self.kv: Tensor | None = None  # [L, 2, B, Hkv, S, Dh], see setup_cache
         self.rope: RopeTable | None = None
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.attention_backend = "torch"
-
-    @property
-    def attention_backend(self) -> str:
-        """``"torch"`` (the reference tree attention, default), ``"triton"`` (the kernel) or ``"auto"``
-        (Triton on CUDA, torch elsewhere); resolved at each forward from the tokens' device."""
-        return self._attention_backend
-
-    @attention_backend.setter
-    def attention_backend(self, name: str) -> None:
-        if name not in BACKENDS:
-            raise InputError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")
-        self._attention_backend = name
 
     @property
     def lm_head_weight(self) -> Tensor:
@@ -335,7 +311,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int, attn_mask: Tensor | None = None,
                 last_only: bool = False, mask_prefix: int | None = None,
-                hidden_layers: tuple[int, ...] | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                hidden_layers: tuple[int, ...] | None = None, attention: Callable | None = None
+                ) -> Tensor | tuple[Tensor, Tensor]:
         """Run new tokens against the cache and return logits (fp32).
 
         tokens:      [B, T] int64 token ids, written to cache slots [start, start + T)
@@ -354,18 +331,18 @@ class Transformer(nn.Module):
         returns      [B, T, V] float32, or with hidden_layers (logits, hidden), hidden
                      [B, T, len(hidden_layers) * dim] in the model's dtype, every token even with
                      last_only (a drafter reads the whole prompt's features after prefill)
+        attention:   the tree attention to run (``ops.tree_attention``); None = the torch reference
         """
         T = tokens.shape[1]
         if self.kv is None or start + T > self.cache_len:
             raise RuntimeError(f"KV cache holds {self.cache_len} slots; call setup_cache(>= {start + T})")
-        backend = resolve_backend(self.attention_backend, tokens.device)
-        mask = attention_mask(backend, start, T, attn_mask, mask_prefix, tokens.device)
+        mask = attention_mask(attention, start, T, attn_mask, mask_prefix, tokens.device)
         slots = torch.arange(start, start + T, device=tokens.device)
         return self._layers(tokens, positions, slots, mask, last_only, hidden_layers)
 
     def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, visible: Tensor,
-                       last_only: bool = False, hidden_layers: tuple[int, ...] | None = None
-                       ) -> Tensor | tuple[Tensor, Tensor]:
+                       last_only: bool = False, hidden_layers: tuple[int, ...] | None = None,
+                       attention: Callable | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """The fixed-shape forward (gpt-fast's ``input_pos`` form), what ``torch.compile`` captures:
         the new K/V go to cache ``slots`` [T] (int64, on the device) and attention runs over all
         S cache slots with ``visible`` [T, S] (``cache_visibility``), so no shape and no Python
@@ -375,8 +352,8 @@ class Transformer(nn.Module):
         if visible.dtype != torch.bool or tuple(visible.shape) != (tokens.shape[1], S):
             raise InputError(f"visible must be bool [T={tokens.shape[1]}, S={S}], got {visible.dtype} "
                              f"{list(visible.shape)}")
-        kernel = attention_kernel(resolve_backend(self.attention_backend, tokens.device))
-        return self._layers(tokens, positions, slots, AttentionMask(0, visible, kernel), last_only, hidden_layers)
+        mask = AttentionMask(0, visible, attention or reference_attention)
+        return self._layers(tokens, positions, slots, mask, last_only, hidden_layers)
 
     def _layers(self, tokens, positions, slots, mask, last_only, hidden_layers):
         if positions.dim() == 1:
