@@ -113,6 +113,14 @@ def _tree_attention(T: int, prefix: int, dtype, hq: int = 12, hkv: int = 2, d: i
     return build
 
 
+def _prompt_lookup(committed: int, spare: int = 128):
+    def build(device):
+        # a small alphabet repeats n-grams often, so lookups find matches as in code or summaries
+        context = torch.cat([torch.randint(0, 64, (committed,), generator=_gen()), torch.full((spare,), -1)])
+        return context.to(device), torch.tensor(committed).to(device), 3, 1, 10
+    return build
+
+
 CASES = [
     Case("draft_expand", "draft_expand", f"F=1 V={VOCAB} K={K}", _draft_expand(1, VOCAB)),
     Case("draft_expand", "draft_expand", f"F=4 V={VOCAB} K={K}", _draft_expand(K, VOCAB), quick=False),
@@ -128,6 +136,8 @@ CASES = [
          _tree_attention(64, 4096, torch.bfloat16), quick=False),
     Case("tree_attention", "tree_attention", "T=1 prefix=4096 12:2 d128 bf16",
          _tree_attention(1, 4096, torch.bfloat16), quick=False),
+    Case("prompt_lookup", "prompt_lookup", "context 256, n-gram 3..1, L=10", _prompt_lookup(256)),
+    Case("prompt_lookup", "prompt_lookup", "context 4096, n-gram 3..1, L=10", _prompt_lookup(4096), quick=False),
 ]
 
 

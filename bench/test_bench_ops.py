@@ -39,13 +39,3 @@ def test_tree_attn_mask(benchmark, device, nodes):
     tree = branchy_tree(nodes, device)
     benchmark.extra_info.update(op="tree.attn_mask", nodes=nodes)
     timed(benchmark, device, tree.attn_mask)
-
-
-@pytest.mark.parametrize("prompt_tokens", [256, 2048])
-def test_prompt_lookup(benchmark, prompt_tokens):
-    from graft_tk.reference.prompt_lookup import prompt_lookup
-    g = torch.Generator().manual_seed(0)
-    # a small alphabet repeats n-grams often, so lookups find matches as in code or summaries
-    tokens = torch.randint(0, 64, (prompt_tokens,), generator=g).tolist()
-    benchmark.extra_info.update(op="prompt_lookup", prompt_tokens=prompt_tokens)
-    benchmark(prompt_lookup, tokens)

@@ -86,13 +86,17 @@ class AcceptanceEstimates:
         rate = self._rate(self.retrieval_acc, self.retrieval_n, self.retrieval_prior)
         return self.template_anc @ rate.log()
 
-    def pld_values(self, ngram: int) -> Tensor:
-        """log P(chain accepted up to position d) [L] after a matched n-gram of length ``ngram`` (>= 1)."""
-        g = min(max(ngram, 1), self.pld_n.shape[0]) - 1
+    def pld_values(self, ngram: int | Tensor) -> Tensor:
+        """log P(chain accepted up to position d) [L] after a matched n-gram of length ``ngram``
+        (an int or a 0-d device tensor; 0 = no match, valued as 1)."""
+        g = self._ngram_row(ngram)
         return torch.cumsum(self._rate(self.pld_acc[g], self.pld_n[g], self.pld_prior[g]).log(), 0)
 
+    def _ngram_row(self, ngram: int | Tensor) -> Tensor:
+        return torch.as_tensor(ngram, device=self.device).clamp(1, self.pld_n.shape[0]) - 1
+
     # ----------------------------------------------------------------- online update
-    def update(self, built: BuiltTree, path: Tensor, pld_span: tuple[int, int] | None, ngram: int,
+    def update(self, built: BuiltTree, path: Tensor, pld_span: tuple[int, int] | None, ngram: Tensor | None,
                retrieval_span: tuple[int, int] | None) -> None:
         """Count this step's outcome. ``path``: accepted node indices, root first, padded with -1;
         ``*_span``: where each source's candidates sit in ``build_tree``'s candidate list."""
@@ -108,22 +112,25 @@ class AcceptanceEstimates:
         self.draft_n.scatter_add_(0, bucket, drafted)
         self.draft_acc.scatter_add_(0, bucket, drafted * on_path.float())
         if retrieval_span is not None:
-            self._count(built.cand_node[retrieval_span[0]:retrieval_span[1]], on_path, parent_on_path,
-                        self.retrieval_n, self.retrieval_acc)
-        if pld_span is not None and ngram >= 1:
-            g = min(ngram, self.pld_n.shape[0]) - 1
-            self._count(built.cand_node[pld_span[0]:pld_span[1]], on_path, parent_on_path,
-                        self.pld_n[g], self.pld_acc[g])
+            tried, accepted = self._count(built.cand_node[retrieval_span[0]:retrieval_span[1]], on_path,
+                                          parent_on_path)
+            self.retrieval_n.add_(tried)
+            self.retrieval_acc.add_(accepted)
+        if pld_span is not None:    # without a match the chain is all padding: nothing is tried
+            tried, accepted = self._count(built.cand_node[pld_span[0]:pld_span[1]], on_path, parent_on_path)
+            g = self._ngram_row(ngram).view(1)
+            self.pld_n.index_add_(0, g, tried[None])
+            self.pld_acc.index_add_(0, g, accepted[None])
 
     @staticmethod
-    def _count(nodes: Tensor, on_path: Tensor, parent_on_path: Tensor, n: Tensor, acc: Tensor) -> None:
-        """A candidate position is tried when its node was verified with its parent accepted."""
+    def _count(nodes: Tensor, on_path: Tensor, parent_on_path: Tensor) -> tuple[Tensor, Tensor]:
+        """(tried, accepted) per candidate position: tried when its node was verified with its
+        parent accepted."""
         node = nodes.long()
         verified = node >= 0
         idx = node.clamp(min=0)
         tried = verified & parent_on_path[idx]
-        n.add_(tried.float())
-        acc.add_((tried & on_path[idx]).float())
+        return tried.float(), (tried & on_path[idx]).float()
 
     def summary(self) -> dict:
         """Host copy of the current estimates (for stats and reports; syncs)."""

@@ -68,12 +68,15 @@ class Drafter(Protocol):
     def start(self, n_prompt: int, max_len: int, features: Tensor | None) -> None:
         """A new request: the prompt's n tokens were prefilled (``features`` [n, F] when asked for)."""
 
-    def draft(self, committed: list[int], cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
-        """The candidate pool under the root ``committed[-1]``."""
+    def draft(self, context: Tensor, length: int, cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
+        """The candidate pool under the root ``context[length - 1]`` (``context[:length]``: the
+        committed tokens, on the device)."""
 
-    def commit(self, path: Tensor, path_slots: list[int], features: Tensor | None, ops: Ops) -> None:
-        """After acceptance: ``path`` [m] tree nodes accepted (root first), ``path_slots`` their
-        drafter cache slots (-1: not drafted / never run), ``features`` [N, F] the verify forward's."""
+    def commit(self, path: Tensor, path_slots: Tensor, path_slots_host: list[int], features: Tensor | None,
+               ops: Ops) -> None:
+        """After acceptance: ``path`` [m] tree nodes accepted (root first), ``path_slots`` [>= m]
+        their drafter cache slots on the device (-1: not drafted / never run), the first m of them
+        as read on the host, ``features`` [N, F] the verify forward's."""
 
 
 # Runs one depth's frontier: (tokens [F], parent_rows [F] = each node's parent's row in the previous
@@ -144,14 +147,13 @@ class ModelDrafter:
         self.net.setup_cache(max_len)
         self.kv_len = 0
 
-    def draft(self, committed: list[int], cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
+    def draft(self, context: Tensor, length: int, cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
         # Run the committed tokens not yet in the cache (the root last), then expand from the root.
         step, device, kv_len = self.step, self.model.device, self.kv_len
-        pending = committed[kv_len:]
-        P = len(pending)
-        logits = step(torch.tensor([pending], device=device), torch.arange(kv_len, kv_len + P, device=device),
+        P = length - kv_len
+        logits = step(context[kv_len:length][None], torch.arange(kv_len, length, device=device),
                       kv_len, last_only=True, attention=ops.tree_attention)[0]      # [1, V]
-        self.kv_len = len(committed)
+        self.kv_len = length
 
         def forward(tokens, parent_rows, positions, start, attn_mask, mask_prefix):
             return step(tokens[None], positions, start, attn_mask=attn_mask, mask_prefix=mask_prefix,
@@ -159,14 +161,15 @@ class ModelDrafter:
 
         return expand(logits, forward, kv_len + P - 1, cfg, log_tau, ops)
 
-    def commit(self, path: Tensor, path_slots: list[int], features: Tensor | None, ops: Ops) -> None:
+    def commit(self, path: Tensor, path_slots: Tensor, path_slots_host: list[int], features: Tensor | None,
+               ops: Ops) -> None:
         # Keep the KV of the path's longest drafted-and-run prefix (the rest stays pending and
         # runs in the next step's first forward).
-        ran = [slot >= 0 for slot in path_slots[1:]] + [False]
-        keep = path_slots[1:1 + ran.index(False)]
+        ran = [slot >= 0 for slot in path_slots_host[1:]] + [False]
+        keep = ran.index(False)
         if keep:
-            ops.commit_kv(self.net.kv, torch.tensor(keep, device=path.device), self.kv_len)
-        self.kv_len += len(keep)
+            ops.commit_kv(self.net.kv, path_slots[1:1 + keep], self.kv_len)
+        self.kv_len += keep
 
 
 class Eagle3Drafter:
@@ -186,11 +189,11 @@ class Eagle3Drafter:
         self.head.setup_cache(max_len)
         self.kv_len, self.features = 0, features
 
-    def draft(self, committed: list[int], cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
+    def draft(self, context: Tensor, length: int, cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
         head, feats = self.head, self.features
-        P = feats.shape[0]                       # == len(committed) - 1 - kv_len: every entry up to the root
+        P = feats.shape[0]                       # == length - 1 - kv_len: every entry up to the root
         device = feats.device
-        tokens = torch.tensor([committed[self.kv_len + 1:self.kv_len + 1 + P]], device=device)
+        tokens = context[self.kv_len + 1:self.kv_len + 1 + P][None]
         logits, hidden = head(tokens, torch.arange(self.kv_len, self.kv_len + P, device=device), self.kv_len,
                               last_only=True, features=feats[None], attention=ops.tree_attention)  # [1, 1, V]
         root_slot = self.kv_len + P - 1
@@ -206,7 +209,8 @@ class Eagle3Drafter:
 
         return expand(logits[0], forward, root_slot, cfg, log_tau, ops)
 
-    def commit(self, path: Tensor, path_slots: list[int], features: Tensor | None, ops: Ops) -> None:
+    def commit(self, path: Tensor, path_slots: Tensor, path_slots_host: list[int], features: Tensor | None,
+               ops: Ops) -> None:
         # The accepted path's TARGET features (root .. last accepted node) pair with the tokens after
         # them (the accepted nodes, then the bonus); they run in the next step's first forward.
         self.features = torch.cat([self.features, features[path]])

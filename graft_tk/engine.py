@@ -21,7 +21,6 @@ from .errors import InputError
 from .models import Model
 from .models.eagle3 import Eagle3Head
 from .ops import ops_for
-from .reference.prompt_lookup import prompt_lookup_match
 from .reference.retrieval import new_adjacency, template_from_level_sizes, warm_adjacency
 from .sampling import next_token
 from .tree import PROMPT_LOOKUP, RETRIEVAL, ROOT, SOURCE_NAMES
@@ -109,7 +108,14 @@ class Engine:
             drafter.start(n, n + max_new_tokens + cfg.top_k * cfg.max_depth + 1, features)
         root = next_token(logits[-1:], temperature, top_p, generator)[0]   # on the device, as each step's bonus
         first = HOST_READS.read(root)
-        committed, out = list(ids) + [first], [first]
+        out = [first]
+        # The committed tokens on the device: context[:length] (prompt, then every committed token).
+        # Prompt lookup searches it and a drafter reads its unseen tokens from it; the host keeps
+        # only ``length`` and the tokens it streams.
+        context = torch.full((n + max_new_tokens + cfg.budget + 1,), -1, dtype=torch.long, device=device)
+        context[:n] = prompt[0]
+        context[n] = root
+        length = n + 1
         target_len = n   # tokens whose KV is in the target cache; the root is the last committed
         stats.prefill_seconds = time.perf_counter() - t0
         if on_tokens:
@@ -121,7 +127,7 @@ class Engine:
             # 1-2. Draft with calibrated pruning: the drafter's candidate pool (empty without a drafter).
             t = time.perf_counter()
             if drafter is not None:
-                pool = drafter.draft(committed, cfg, log_tau, ops)
+                pool = drafter.draft(context, length, cfg, log_tau, ops)
             else:
                 pool = DraftPool.empty(device)
             stats.add_time("draft", t)
@@ -129,10 +135,10 @@ class Engine:
             # from M, each with its estimated acceptance; one op prunes and reranks the pool, grafts
             # the candidates, gives the N - 1 places to the likeliest nodes and emits the tree.
             t = time.perf_counter()
-            candidates, values, ngram = [], [], 0
+            candidates, values, ngram = [], [], None
             if use_pld:
-                chain, ngram = prompt_lookup_match(committed, cfg.pld_max_ngram, 1, cfg.pld_tokens)
-                candidates.append(torch.tensor(chain + [-1] * (cfg.pld_tokens - len(chain)), device=device))
+                chain, ngram = ops.prompt_lookup(context, length, cfg.pld_max_ngram, 1, cfg.pld_tokens)
+                candidates.append(chain)
                 values.append(estimates.pld_values(ngram))
             if use_retrieval:
                 candidates.append(ops.retrieve(self.adjacency, root, self.template))
@@ -158,9 +164,13 @@ class Engine:
             path, n_path, bonus = ops.accept(tree, logits, self.adjacency if use_retrieval else None,
                                              temperature, top_p, uniforms)
             estimates.update(built, path, pld_span, ngram, retrieval_span)
+            # The accepted nodes after the root, then the bonus, go into the context on the device
+            # (entries past what the host commits below are overwritten by the next step).
+            N, p = path.shape[0], path.clamp(min=0)
+            context[length:length + N] = torch.where(torch.arange(N, device=device) == n_path - 1, bonus,
+                                                     tree.tokens[p].roll(-1))
             # One host read for all the host needs from this step: the path's length, its tokens,
             # the bonus, its nodes' drafter slots, sources and depths; the tree's nodes per source.
-            N, p = path.shape[0], path.clamp(min=0)
             node_slots = pool.slots_of(built.pool_index[:tree.n])
             host = HOST_READS.read(torch.cat([
                 n_path.view(1), bonus.view(1), path, tree.tokens[p], node_slots[p], tree.source[p].long(),
@@ -182,7 +192,7 @@ class Engine:
                                                                      tree.scores]))
                 self.acceptance_log += [(int(s), int(d), sc, i in on_path)
                                         for i, (s, d, sc) in enumerate(zip(source, depth, scores)) if i > 0 and s >= 0]
-            committed += new
+            length += len(new)
             out += new
             if on_tokens:
                 on_tokens(new)
@@ -193,7 +203,7 @@ class Engine:
                 ops.commit_kv(tnet.kv, target_len + path, target_len)
                 target_len += m
                 if drafter is not None:
-                    drafter.commit(path, path_slots, features, ops)
+                    drafter.commit(path, node_slots[p], path_slots, features, ops)
                 root = bonus      # the last committed token is the next step's root
             stats.add_time("commit", t)
             stats.record_launches(LAUNCHES.snapshot() - launches_before, pool.forwards)

@@ -22,15 +22,17 @@ class Ops:
     accept: Callable           # greedy / sampling acceptance + adjacency update
     commit_kv: Callable        # move the accepted path's KV into place, all layers
     tree_attention: Callable   # the attention of every model forward: a visible prefix + a masked block
+    prompt_lookup: Callable    # the longest suffix n-gram's latest match in the device context buffer
 
 
 def ops_for(backend: str, device: torch.device | str) -> Ops:
     """The ops for ``backend`` ("auto" | "triton" | "torch") on ``device``."""
     backend = resolve_backend(backend, device)
     if backend == "triton":
-        from .kernels import accept, draft_expand, graft_merge, kv_commit, retrieval, tree_attention
+        from .kernels import accept, draft_expand, graft_merge, kv_commit, prompt_lookup, retrieval, tree_attention
     else:
-        from .reference import accept, draft_expand, graft_merge, kv_commit, retrieval, tree_attention
+        from .reference import (accept, draft_expand, graft_merge, kv_commit, prompt_lookup, retrieval,
+                                tree_attention)
     return Ops(backend=backend, draft_expand=draft_expand.draft_expand, retrieve=retrieval.retrieve,
                build_tree=graft_merge.build_tree, accept=accept.accept, commit_kv=kv_commit.commit_kv,
-               tree_attention=tree_attention.tree_attention)
+               tree_attention=tree_attention.tree_attention, prompt_lookup=prompt_lookup.prompt_lookup)

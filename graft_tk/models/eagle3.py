@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from ..errors import InputError
 from .transformer import (Attention, FeedForward, ModelConfig, RMSNorm, Transformer, attention_mask,
-                          new_cache, rope_inv_freq)
+                          ensure_cache, rope_inv_freq)
 
 __all__ = ["Eagle3Config", "Eagle3Head", "default_target_layers"]
 
@@ -185,10 +185,7 @@ class Eagle3Head(nn.Module):
     def setup_cache(self, max_seq_len: int, batch_size: int = 1) -> None:
         """Allocate the static KV cache and RoPE table; kept when already large enough for this batch."""
         a = self.layer.attention
-        if self.kv is not None and self.kv.shape[2] == batch_size and self.kv.shape[4] >= max_seq_len:
-            return
-        self.kv, self.rope = new_cache(1, batch_size, a.n_kv_heads, max_seq_len, a.head_dim, self.lm_head.weight,
-                                       self.inv_freq)
+        ensure_cache(self, 1, batch_size, a.n_kv_heads, max_seq_len, a.head_dim, self.lm_head.weight)
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int, attn_mask: Tensor | None = None,
                 last_only: bool = False, mask_prefix: int | None = None, *,

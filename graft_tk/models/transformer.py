@@ -148,6 +148,17 @@ def new_cache(n_layers: int, batch_size: int, n_kv_heads: int, max_seq_len: int,
     return kv, RopeTable(cos[0, 0], sin[0, 0])
 
 
+def ensure_cache(module: nn.Module, n_layers: int, batch_size: int, n_kv_heads: int, max_seq_len: int,
+                 head_dim: int, weight: Tensor) -> None:
+    """Give ``module`` (its ``kv``, ``rope`` and ``inv_freq``) a cache of at least ``max_seq_len``
+    slots for this batch size; an existing one that is large enough is kept."""
+    kv = module.kv
+    if kv is not None and kv.shape[2] == batch_size and kv.shape[4] >= max_seq_len:
+        return
+    module.kv, module.rope = new_cache(n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, weight,
+                                       module.inv_freq)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -304,10 +315,7 @@ class Transformer(nn.Module):
     def setup_cache(self, max_seq_len: int, batch_size: int = 1) -> None:
         """Allocate the static KV cache and RoPE tables; kept when already large enough for this batch."""
         c = self.config
-        if self.kv is not None and self.kv.shape[2] == batch_size and self.kv.shape[4] >= max_seq_len:
-            return
-        self.kv, self.rope = new_cache(c.n_layers, batch_size, c.n_kv_heads, max_seq_len, c.head_dim,
-                                       self.lm_head_weight, self.inv_freq)
+        ensure_cache(self, c.n_layers, batch_size, c.n_kv_heads, max_seq_len, c.head_dim, self.lm_head_weight)
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int, attn_mask: Tensor | None = None,
                 last_only: bool = False, mask_prefix: int | None = None,

@@ -7,36 +7,65 @@ latest one (closest context) wins.
 
 Example: committed [5 6 7 9 5 6], max_ngram 3: the suffix 3-gram [9 5 6] occurs nowhere else,
 the 2-gram [5 6] occurs at position 0, so the proposal is what followed it: [7 9 5 6].
+
+A device op: the committed tokens live in a fixed-size context buffer on the device, of which
+the first ``length`` are committed; every shape is the buffer's, so nothing is read back to the
+host and a GPU step can run it inside a captured graph.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import torch
+from torch import Tensor
 
-import numpy as np
+
+def check_prompt_lookup_args(context: Tensor, max_ngram: int, min_ngram: int, max_tokens: int) -> None:
+    if context.dim() != 1 or context.dtype != torch.int64:
+        raise ValueError(f"context must be int64 [C]; got {context.dtype} {list(context.shape)}")
+    if not 1 <= min_ngram <= max_ngram:
+        raise ValueError(f"need 1 <= min_ngram <= max_ngram; got min_ngram={min_ngram}, max_ngram={max_ngram}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
 
 
-def prompt_lookup(tokens: Sequence[int] | np.ndarray, max_ngram: int = 3, min_ngram: int = 1,
-                  max_tokens: int = 10) -> list[int]:
-    """Tokens following the latest earlier occurrence of the longest matching suffix n-gram.
+def prompt_lookup(context: Tensor, length: int | Tensor, max_ngram: int = 3, min_ngram: int = 1,
+                  max_tokens: int = 10) -> tuple[Tensor, Tensor]:
+    """The tokens after the latest earlier occurrence of the longest matching suffix n-gram.
 
-    tokens: the committed sequence (prompt + generated), host side, any int sequence.
-    Returns up to ``max_tokens`` token ids; empty when no suffix n-gram occurs earlier.
-    Cost: O(len(tokens) * n) vectorised numpy per n — well under a millisecond at 4k tokens.
+    Parameters
+    ----------
+    context : Tensor, int64 [C]
+        The committed tokens (prompt + generated) in ``context[:length]``; the rest is ignored.
+    length : int or 0-d int64 Tensor on the context's device
+        Committed tokens, 0 <= length <= C.
+    max_ngram, min_ngram : int
+        The suffix lengths tried, longest first.
+    max_tokens : int
+        Proposal length L.
+
+    Returns
+    -------
+    chain : Tensor, int64 [L]
+        The proposal, padded with -1 (all -1 without a match; never past ``length``).
+    ngram : Tensor, int64 0-d
+        The matched n-gram's length, 0 for no match.
     """
-    return prompt_lookup_match(tokens, max_ngram, min_ngram, max_tokens)[0]
-
-
-def prompt_lookup_match(tokens: Sequence[int] | np.ndarray, max_ngram: int = 3, min_ngram: int = 1,
-                        max_tokens: int = 10) -> tuple[list[int], int]:
-    """``prompt_lookup``'s proposal and the length of the n-gram it matched (0: no match)."""
-    arr = np.asarray(tokens, dtype=np.int64)
-    L = arr.shape[0]
-    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        # windows[i] = arr[i:i+n] for every start i whose window ends before the suffix starts
-        # to repeat itself at the very end (i + n < L, so at least one token follows it).
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:L - 1], n)
-        hits = np.flatnonzero((windows == arr[L - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return arr[start:start + max_tokens].tolist(), n
-    return [], 0
+    check_prompt_lookup_args(context, max_ngram, min_ngram, max_tokens)
+    C, device = context.shape[0], context.device
+    length = torch.as_tensor(length, device=device)
+    i = torch.arange(C, device=device)
+    best_start = torch.full((), -1, dtype=torch.long, device=device)
+    ngram = torch.zeros((), dtype=torch.long, device=device)
+    for n in range(min_ngram, max_ngram + 1):           # a longer n-gram's match overrides a shorter's
+        # window i..i+n-1 matches the suffix length-n..length-1 and is followed by a committed token
+        ok = (i + n < length) & (n < length)
+        for j in range(n):
+            suffix = context[(length - n + j).clamp(0, C - 1)]
+            ok &= context[(i + j).clamp(max=C - 1)] == suffix
+        latest = torch.where(ok, i, -1).max()
+        found = latest >= 0
+        best_start = torch.where(found, latest + n, best_start)
+        ngram = torch.where(found, n, ngram)
+    at = best_start + torch.arange(max_tokens, device=device)
+    valid = (best_start >= 0) & (at < length)
+    chain = torch.where(valid, context[at.clamp(0, C - 1)], -1)
+    return chain, ngram
