@@ -1,36 +1,43 @@
 """What one forward costs with q new tokens: the cost curve a tree verify rides on.
 
-    python bench/forward_cost.py --model qwen2.5-coder-1.5b --dtype bf16 --q 1,4,16,32 --prefix 200
+    python bench/forward_cost.py --model qwen2.5-coder-1.5b --dtype bf16 --q 1,4,16,32 --prefix 200 [--compile]
 
 Prints one markdown row per model (the target, and with --drafter its drafter) and prefix: the
 median of --repeats forwards of q tokens after a prefix already in the KV cache, in milliseconds.
 ``--prefix 100,3000`` shows how the cost grows with the context (attention's share). A tree
 verify of N nodes costs about the q = N forward, so where this curve is flat the budget is nearly
 free and where it is steep (a CPU without AVX-512, quantized weights) the best N is small.
+``--compile`` times the compiled step forward (``graft_tk.compiled``) instead, after one untimed
+call that compiles it (its seconds are printed to stderr).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
 
 import graft_tk
+from graft_tk.compiled import StepForward
 
 
-def forward_ms(model, q: int, prefix: int, repeats: int) -> float:
+def forward_ms(model, q: int, prefix: int, repeats: int, compile: bool = False) -> float:
     net, device = model.net, model.device
+    step = StepForward(net, compile)
     with torch.inference_mode():
         net.setup_cache(prefix + q)
         net.kv.normal_(0, 0.5)          # stands in for a prefill of the prefix: what is read costs the same
         times = []
-        for _ in range(repeats + 1):                      # the first is a warm-up
+        for _ in range(repeats + 1):                      # the first is a warm-up (and compiles)
             t = time.perf_counter()
-            net(torch.randint(1000, (1, q), device=device), torch.arange(prefix, prefix + q, device=device), prefix)
+            step(torch.randint(1000, (1, q), device=device), torch.arange(prefix, prefix + q, device=device), prefix)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
+    if compile:
+        print(f"{model.name} q={q} prefix={prefix}: first call (compiles) {times[0]:.0f} s", file=sys.stderr)
     return statistics.median(times[1:]) * 1000
 
 
@@ -42,17 +49,20 @@ def main() -> None:
     p.add_argument("--q", default="1,4,16,32", help="comma list of new-token counts")
     p.add_argument("--prefix", default="200", help="comma list of tokens already in the KV cache")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="time the compiled step forward")
     args = p.parse_args()
     qs = [int(x) for x in args.q.split(",")]
     prefixes = [int(x) for x in args.prefix.split(",")]
     names = [args.model] + ([args.drafter] if args.drafter != "none" else [])
-    print(f"| model | dtype | prefix | {' | '.join(f'q={q}' for q in qs)} |")
-    print("|---|---|---|" + "---|" * len(qs))
+    print(f"| model | dtype | forward | prefix | {' | '.join(f'q={q}' for q in qs)} |")
+    print("|---|---|---|---|" + "---|" * len(qs))
     for name in names:
         model = graft_tk.load_model(name, dtype=args.dtype, progress=False)
         for prefix in prefixes:
-            costs = [forward_ms(model, q, prefix, args.repeats) for q in qs]
-            print(f"| {name} | {args.dtype} | {prefix} | {' | '.join(f'{c:.0f} ms' for c in costs)} |", flush=True)
+            costs = [forward_ms(model, q, prefix, args.repeats, args.compile) for q in qs]
+            kind = "compiled" if args.compile else "eager"
+            print(f"| {name} | {args.dtype} | {kind} | {prefix} | {' | '.join(f'{c:.0f} ms' for c in costs)} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

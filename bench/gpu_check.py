@@ -9,6 +9,9 @@
    CUDA when it is present), and the tree-attention tiles are really tuned once.
 2. Kernel benchmarks: each op of bench/cases.py, Triton vs torch reference on the same inputs,
    median time (``triton.testing.do_bench``), and whether the outputs agree.
+3. Step forwards, eager vs compiled (``graft_tk.compiled``: torch.compile, CUDA graphs): a model
+   with Qwen2.5-1.5B's shapes (random bf16 weights: a GPU machine may have no checkpoints, and
+   the time does not depend on the values), q = 1 and 16 new tokens after 100 and 3,000 cached.
 
 Prints one markdown table; ``--json`` also writes the numbers with the machine's description.
 Exit code: 0 when tests pass and every op agrees, 1 otherwise, 2 when there is no CUDA device.
@@ -103,6 +106,49 @@ def run_benchmarks(quick: bool, cuda: bool) -> list[dict]:
     return rows
 
 
+def run_forwards(cuda: bool) -> list[dict]:
+    """Median ms of a step forward of q tokens after ``prefix`` cached, eager and compiled."""
+    import torch
+
+    from graft_tk.compiled import StepForward
+    from graft_tk.models.transformer import ModelConfig, Transformer
+    if cuda:   # Qwen2.5-1.5B's shapes
+        cfg = ModelConfig("qwen2", 151936, 1536, 28, 12, 2, 128, 8960, 1e-6, 1e6, 32768, True)
+        shapes, dtype, device = [(1, 100), (1, 3000), (16, 100), (16, 3000)], torch.bfloat16, torch.device("cuda")
+    else:      # dry run: the same code at toy size
+        cfg = ModelConfig("qwen2", 512, 64, 2, 4, 2, 16, 128, 1e-6, 1e6, 4096, True)
+        shapes, dtype, device = [(1, 100), (16, 100)], torch.float32, torch.device("cpu")
+    net = Transformer(cfg)
+    for p in net.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.02)
+    net = net.to(device=device, dtype=dtype).eval()
+    rows = []
+    with torch.inference_mode():
+        for q, prefix in shapes:
+            net.setup_cache(prefix + q)
+            net.kv.normal_(0, 0.5)
+            row = {"q": q, "prefix": prefix}
+            for kind in ("eager", "compiled"):
+                step = StepForward(net, compile=kind == "compiled")
+                tokens = torch.randint(1000 % cfg.vocab_size, (1, q), device=device)
+                positions = torch.arange(prefix, prefix + q, device=device)
+                t0 = time.perf_counter()
+                step(tokens, positions, prefix)                 # compiles when compiled
+                row[f"{kind}_first_s"] = time.perf_counter() - t0
+                row[f"{kind}_ms"] = median_ms(lambda: step(tokens, positions, prefix), cuda)
+            rows.append(row)
+            print(f"  forward q={q:<3} prefix={prefix:<5} eager {row['eager_ms']:8.3f} ms  compiled "
+                  f"{row['compiled_ms']:8.3f} ms (first call {row['compiled_first_s']:.0f} s)", file=sys.stderr)
+    return rows
+
+
+def forward_table(rows: list[dict]) -> str:
+    lines = ["| q | cached | eager ms | compiled ms | compiled speedup | compile s |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['q']} | {r['prefix']} | {r['eager_ms']:.3f} | {r['compiled_ms']:.3f} | "
+              f"{r['eager_ms'] / r['compiled_ms']:.2f}x | {r['compiled_first_s']:.0f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| op | shape | torch ms (median) | triton ms (median) | triton speedup | outputs |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['op']} | {r['shape']} | {r['torch_ms']:.3f} | {r['triton_ms']:.3f} | {r['speedup']:.2f}x | {r['agree']} |"
@@ -137,12 +183,16 @@ def main(argv=None) -> int:
         print(f"  {tests['summary']} ({tests['seconds']:.0f} s)", file=sys.stderr)
     print("kernel benchmarks...", file=sys.stderr)
     rows = run_benchmarks(quick=args.quick or not cuda, cuda=cuda)
+    print("step forwards, eager vs compiled...", file=sys.stderr)
+    forwards = run_forwards(cuda)
     print(f"\n## gpu_check: {info['gpu'] or 'CPU dry run'}, {info['date']}")
     if tests is not None:
         print(f"\nkernel tests: {tests['summary']}" + "".join(f"\n  {f}" for f in tests["failures"]))
     print("\n" + table(rows))
+    print("\n" + forward_table(forwards))
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": info, "tests": tests, "benchmarks": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"machine": info, "tests": tests, "benchmarks": rows,
+                                               "forwards": forwards}, indent=1))
     ok = (tests is None or tests["ok"]) and all(not r["agree"].startswith("DIFFER") for r in rows)
     return 0 if ok else 1
 

@@ -89,7 +89,7 @@ class Engine:
         log_tau = math.log(cfg.tau) if method in PRUNES else -math.inf
         cand_parents, cand_source, (pld_span, retrieval_span) = self._candidate_layout(use_pld, use_retrieval)
         estimates = self.estimates
-        stats = _Stats(method, ops.backend)
+        stats = _Stats(method, ops.backend, device)
         t0 = time.perf_counter()
         n = len(ids)
         tnet.setup_cache(n + max_new_tokens + cfg.budget + 1)
@@ -125,7 +125,7 @@ class Engine:
         while not done:
             launches_before, reads_before = LAUNCHES.snapshot(), HOST_READS.count
             # 1-2. Draft with calibrated pruning: the drafter's candidate pool (empty without a drafter).
-            t = time.perf_counter()
+            t = stats.clock()
             if drafter is not None:
                 pool = drafter.draft(context, length, cfg, log_tau, ops)
             else:
@@ -134,7 +134,7 @@ class Engine:
             # 3-6. Candidates for the freed budget: the prompt-lookup chain and root-parallel retrieval
             # from M, each with its estimated acceptance; one op prunes and reranks the pool, grafts
             # the candidates, gives the N - 1 places to the likeliest nodes and emits the tree.
-            t = time.perf_counter()
+            t = stats.clock()
             candidates, values, ngram = [], [], None
             if use_pld:
                 chain, ngram = ops.prompt_lookup(context, length, cfg.pld_max_ngram, 1, cfg.pld_tokens)
@@ -151,7 +151,7 @@ class Engine:
             tree = built.as_tree() if self.static_shapes else built.to_tree()   # to_tree: a host read
             stats.add_time("retrieve", t)
             # 7. Verify the whole tree in one target forward with tree attention.
-            t = time.perf_counter()
+            t = stats.clock()
             tokens = tree.tokens.clamp(min=0)[None]   # padding (token -1) runs as token 0, masked off
             logits, features = _forward(self.target_step, layers, tokens, tree.positions(target_len), target_len,
                                         attn_mask=tree.attn_mask(), mask_prefix=target_len,
@@ -159,7 +159,7 @@ class Engine:
             stats.add_time("verify", t)
             # 8. Accept the longest path the target agrees with, plus a bonus token; update M (when
             # this method reads it) and the acceptance estimates.
-            t = time.perf_counter()
+            t = stats.clock()
             uniforms = (torch.rand(tree.n, generator=generator, device=device) if temperature > 0 else None)
             path, n_path, bonus = ops.accept(tree, logits, self.adjacency if use_retrieval else None,
                                              temperature, top_p, uniforms)
@@ -223,8 +223,12 @@ def _forward(net, hidden_layers, tokens, positions, start, **kw) -> tuple[torch.
 class _Stats:
     """Per-step counters folded into DecodeResult.stats."""
 
-    def __init__(self, method: str, backend: str):
+    def __init__(self, method: str, backend: str, device: torch.device):
         self.method, self.backend = method, backend
+        # On CUDA the host runs ahead of the device: phases are timed with CUDA events, read once
+        # when the request ends (no sync per phase); on a CPU the host clock is the device's.
+        self.cuda_events = device.type == "cuda"
+        self.pending_events: list = []
         self.launches: Counter = Counter()   # Triton launches outside model forwards, by kernel
         self.launch_excess = -math.inf       # max over steps of (launches - drafter depths used)
         self.steps = self.drafter_forwards = self.host_reads = 0
@@ -232,8 +236,26 @@ class _Stats:
         self.seconds = Counter()
         self.nodes, self.accepted, self.accepted_by_depth = Counter(), Counter(), Counter()
 
-    def add_time(self, phase: str, since: float) -> None:
-        self.seconds[phase] += time.perf_counter() - since
+    def clock(self):
+        """A phase's start: a recorded CUDA event, or the host clock."""
+        if self.cuda_events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add_time(self, phase: str, since) -> None:
+        if self.cuda_events:
+            self.pending_events.append((phase, since, self.clock()))
+        else:
+            self.seconds[phase] += time.perf_counter() - since
+
+    def _read_events(self) -> None:
+        if self.pending_events:
+            torch.cuda.synchronize()
+            for phase, start, end in self.pending_events:
+                self.seconds[phase] += start.elapsed_time(end) / 1000
+            self.pending_events = []
 
     def record_step(self, path_source: list[int], path_depth: list[int], nodes_by_source: list[int],
                     committed: int, drafter_forwards: int) -> None:
@@ -255,6 +277,7 @@ class _Stats:
         self.launch_excess = max(self.launch_excess, sum(launched.values()) - depths)
 
     def finish(self, prompt_tokens: int, tokens: int, seconds: float) -> dict:
+        self._read_events()
         steps = max(self.steps, 1)
         return {
             "method": self.method, "prompt_tokens": prompt_tokens, "tokens": tokens, "steps": self.steps,

@@ -145,14 +145,15 @@ def shape_bucket(rows: int, head_dim: int, kv_len: int, dtype: torch.dtype | str
 
 
 def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tensor,
-                   scale: float | None = None) -> Tensor:
+                   scale: float | None = None, validate: bool = True) -> Tensor:
     """Triton kernel for ``graft_tk.reference.tree_attention`` (same arguments, same result).
 
     q [B, Hq, T, D], k/v [B, Hkv, S, D] (any strides), prefix_len int, mask bool [T, L];
     returns q's dtype [B, Hq, T, D]; a query that sees no key outputs zeros. D must be a power of
-    two from 16 to 256 (ValueError otherwise). One launch.
+    two from 16 to 256 (ValueError otherwise). One launch. ``validate=False`` skips the argument
+    checks (a model checks them in its first layer only: the other layers have the same shapes).
     """
-    prefix_len = check_tree_attention_args(q, k, v, prefix_len, mask)
+    prefix_len = check_tree_attention_args(q, k, v, prefix_len, mask) if validate else prefix_len
     B, Hq, T, D = q.shape
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim {D} is not supported by the Triton tree attention; supported: {HEAD_DIMS}")

@@ -148,15 +148,20 @@ def new_cache(n_layers: int, batch_size: int, n_kv_heads: int, max_seq_len: int,
     return kv, RopeTable(cos[0, 0], sin[0, 0])
 
 
+CACHE_SLOTS_MULTIPLE = 512
+
+
 def ensure_cache(module: nn.Module, n_layers: int, batch_size: int, n_kv_heads: int, max_seq_len: int,
                  head_dim: int, weight: Tensor) -> None:
     """Give ``module`` (its ``kv``, ``rope`` and ``inv_freq``) a cache of at least ``max_seq_len``
-    slots for this batch size; an existing one that is large enough is kept."""
+    slots for this batch size; an existing one that is large enough is kept. A new one gets a
+    multiple of 512 slots: the cache's size is a shape of the compiled forwards, so requests of
+    similar length share one graph instead of each compiling its own."""
     kv = module.kv
     if kv is not None and kv.shape[2] == batch_size and kv.shape[4] >= max_seq_len:
         return
-    module.kv, module.rope = new_cache(n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, weight,
-                                       module.inv_freq)
+    slots = -(-max_seq_len // CACHE_SLOTS_MULTIPLE) * CACHE_SLOTS_MULTIPLE
+    module.kv, module.rope = new_cache(n_layers, batch_size, n_kv_heads, slots, head_dim, weight, module.inv_freq)
 
 
 class Attention(nn.Module):
@@ -190,7 +195,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         write_kv(kv, layer, slots, k, v)
-        out = mask.attend(q.to(kv.dtype), kv[layer, 0], kv[layer, 1]).to(x.dtype)
+        out = mask.attend(q.to(kv.dtype), kv[layer, 0], kv[layer, 1], validate=layer == 0).to(x.dtype)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -263,13 +268,14 @@ class AttentionMask:
     kernel: Callable | None = None
     per_sequence: Tensor | None = None
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q [B, Hq, T, D] over the cache's k, v [B, Hkv, S, D] -> [B, Hq, T, D]."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, validate: bool = True) -> Tensor:
+        """q [B, Hq, T, D] over the cache's k, v [B, Hkv, S, D] -> [B, Hq, T, D]; ``validate``:
+        check the arguments (the first layer does; the others have the same shapes)."""
         if self.per_sequence is not None:
             S = self.per_sequence.shape[-1]
             return F.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S], attn_mask=self.per_sequence,
                                                   enable_gqa=True)
-        return self.kernel(q, k, v, self.prefix_len, self.block)
+        return self.kernel(q, k, v, self.prefix_len, self.block, validate=validate)
 
 
 def attention_mask(kernel: Callable | None, start: int, T: int, attn_mask: Tensor | None, mask_prefix: int | None,

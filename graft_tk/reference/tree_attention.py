@@ -50,7 +50,7 @@ def check_tree_attention_args(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, 
 
 
 def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tensor,
-                   scale: float | None = None) -> Tensor:
+                   scale: float | None = None, validate: bool = True) -> Tensor:
     """Attention of T queries over a visible prefix plus a masked block of the KV cache.
 
     Parameters
@@ -65,6 +65,8 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tenso
         Key ``prefix_len + j`` is visible to query i iff ``mask[i, j]``.
     scale : float, optional
         Softmax scale; default ``1 / sqrt(D)``.
+    validate : bool
+        Check the arguments (ValueError); a model checks them in its first layer only.
 
     Returns
     -------
@@ -72,7 +74,7 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tenso
         softmax(q k^T * scale over visible keys) v, accumulated in float32; zeros for a query
         that sees no key.
     """
-    prefix_len = check_tree_attention_args(q, k, v, prefix_len, mask)
+    prefix_len = check_tree_attention_args(q, k, v, prefix_len, mask) if validate else prefix_len
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv
