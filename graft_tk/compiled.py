@@ -20,7 +20,8 @@ import weakref
 import torch
 from torch import Tensor
 
-from .models.transformer import Transformer, cache_visibility
+from .errors import InputError
+from .models.transformer import Transformer, attention_mask, cache_visibility
 
 # Compiled forward_static per model: Dynamo keys its graphs by code object, so every Transformer
 # of the process shares one limit of cached graphs (target and drafter widths, test models).
@@ -61,13 +62,11 @@ class StepForward:
         T, device = tokens.shape[1], tokens.device
         if start + T > self.net.cache_len:
             raise RuntimeError(f"KV cache holds {self.net.cache_len} slots; call setup_cache(>= {start + T})")
-        if attn_mask is None:                          # causal: the cache, then lower-triangular
-            block, prefix = torch.ones(T, T, dtype=torch.bool, device=device).tril(), start
-        elif mask_prefix is not None:
-            block, prefix = attn_mask, mask_prefix
-        else:
-            block, prefix = attn_mask, 0
-        visible = cache_visibility(self.net.cache_len, prefix, block)
+        # The eager forward's mask (checked; causal when attn_mask is None), spread over the whole cache.
+        mask = attention_mask(attention, start, T, attn_mask, mask_prefix, device)
+        if mask.per_sequence is not None:
+            raise InputError("a per-sequence attn_mask [B, T, S] runs eagerly only; use compile=False")
+        visible = cache_visibility(self.net.cache_len, mask.prefix_len, mask.block)
         slots = torch.arange(start, start + T, device=device)
         out = self.compiled(tokens, positions, slots, visible, last_only, hidden_layers, attention)
         if self._cuda_graphs:   # a CUDA graph's outputs are overwritten by its next replay
