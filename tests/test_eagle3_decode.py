@@ -63,10 +63,10 @@ class _Recording(Eagle3Drafter):
         super().__init__(head)
         self.steps = []
 
-    def draft(self, committed, cfg, log_tau, ops):
-        pool = super().draft(committed, cfg, log_tau, ops)
+    def draft(self, context, length, cfg, log_tau, ops):
+        pool = super().draft(context, length, cfg, log_tau, ops)
         K = cfg.top_k
-        self.steps.append((list(committed), pool.tokens[:K].clone(), pool.scores[:K].clone()))
+        self.steps.append((context[:length].tolist(), pool.tokens[:K].clone(), pool.scores[:K].clone()))
         return pool
 
 
