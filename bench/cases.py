@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from graft_tk.reference.retrieval import default_template, new_adjacency, retrieve
+from graft_tk.adjacency import default_template, new_adjacency
+from graft_tk.reference.retrieve import retrieve
 from graft_tk.tree import PROMPT_LOOKUP, RETRIEVAL, Tree
 
 VOCAB = 151936
@@ -124,13 +125,13 @@ def _prompt_lookup(committed: int, spare: int = 128):
 CASES = [
     Case("draft_expand", "draft_expand", f"F=1 V={VOCAB} K={K}", _draft_expand(1, VOCAB)),
     Case("draft_expand", "draft_expand", f"F=4 V={VOCAB} K={K}", _draft_expand(K, VOCAB), quick=False),
-    Case("retrieval", "retrieve", "80-node template, k=8", _retrieve(VOCAB)),
-    Case("graft_merge", "build_tree", "P=84 C=90 N=16", _build_tree(16)),
-    Case("graft_merge", "build_tree", "P=84 C=90 N=64", _build_tree(64), quick=False),
+    Case("retrieve", "retrieve", "80-node template, k=8", _retrieve(VOCAB)),
+    Case("build_tree", "build_tree", "P=84 C=90 N=16", _build_tree(16)),
+    Case("build_tree", "build_tree", "P=84 C=90 N=64", _build_tree(64), quick=False),
     Case("accept", "accept", f"greedy N=16 V={VOCAB}", _accept(16)),
     Case("accept", "accept", f"greedy N=64 V={VOCAB}", _accept(64), quick=False),
     Case("accept", "accept", f"sampling T=0.7 top_p=0.9 N=16 V={VOCAB}", _accept(16, temperature=0.7, top_p=0.9)),
-    Case("kv_commit", "commit_kv", "28 layers, 2x128, n=6, bf16", _commit_kv(28, 2, 4096, 128, 6, torch.bfloat16)),
+    Case("commit_kv", "commit_kv", "28 layers, 2x128, n=6, bf16", _commit_kv(28, 2, 4096, 128, 6, torch.bfloat16)),
     Case("tree_attention", "tree_attention", "T=16 prefix=1024 12:2 d128 bf16", _tree_attention(16, 1024, torch.bfloat16)),
     Case("tree_attention", "tree_attention", "T=64 prefix=4096 12:2 d128 bf16",
          _tree_attention(64, 4096, torch.bfloat16), quick=False),

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .reference.graft_merge import BuiltTree
-from .reference.retrieval import RetrievalTemplate
+from .adjacency import RetrievalTemplate
+from .tree import BuiltTree
 
 SCORE_EDGES = (-6.0, -5.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.75, -0.5, -0.25)  # drafter log-prob buckets
 PRIOR_WEIGHT = 2.0

@@ -21,7 +21,7 @@ from .errors import InputError
 from .models import Model
 from .models.eagle3 import Eagle3Head
 from .ops import ops_for
-from .reference.retrieval import new_adjacency, template_from_level_sizes, warm_adjacency
+from .adjacency import new_adjacency, template_from_level_sizes, warm_adjacency
 from .sampling import next_token
 from .tree import PROMPT_LOOKUP, RETRIEVAL, ROOT, SOURCE_NAMES
 

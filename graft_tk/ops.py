@@ -29,10 +29,9 @@ def ops_for(backend: str, device: torch.device | str) -> Ops:
     """The ops for ``backend`` ("auto" | "triton" | "torch") on ``device``."""
     backend = resolve_backend(backend, device)
     if backend == "triton":
-        from .kernels import accept, draft_expand, graft_merge, kv_commit, prompt_lookup, retrieval, tree_attention
+        from .kernels import accept, build_tree, commit_kv, draft_expand, prompt_lookup, retrieve, tree_attention
     else:
-        from .reference import (accept, draft_expand, graft_merge, kv_commit, prompt_lookup, retrieval,
-                                tree_attention)
-    return Ops(backend=backend, draft_expand=draft_expand.draft_expand, retrieve=retrieval.retrieve,
-               build_tree=graft_merge.build_tree, accept=accept.accept, commit_kv=kv_commit.commit_kv,
+        from .reference import accept, build_tree, commit_kv, draft_expand, prompt_lookup, retrieve, tree_attention
+    return Ops(backend=backend, draft_expand=draft_expand.draft_expand, retrieve=retrieve.retrieve,
+               build_tree=build_tree.build_tree, accept=accept.accept, commit_kv=commit_kv.commit_kv,
                tree_attention=tree_attention.tree_attention, prompt_lookup=prompt_lookup.prompt_lookup)

@@ -36,10 +36,12 @@ and is meant for constructors on the CPU path and tests, not the decode hot path
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor
+
+from .backend import HOST_READS
 
 # Node sources (int8 codes in ``Tree.source``): who proposed the node.
 ROOT = 0
@@ -215,3 +217,34 @@ class Tree:
                 raise ValueError(f"nodes {seen[key]} and {i} are both children of node {p} with token "
                                  f"{tokens[i]}; (parent, token) pairs must be unique")
             seen[key] = i
+
+
+class BuiltTree(NamedTuple):
+    """``build_tree``'s outputs: fixed shapes (N = budget_n), valid prefix ``n_nodes``.
+
+    Padding (entries ``n_nodes .. N-1``) is inert: token -1, parent -1, depth 0, source -1,
+    score -inf, pool_index -1, and a mask row holding only its own bit, so an attention over all
+    N rows never meets an empty row and no real row ever sees a padding column.
+    """
+
+    tokens: Tensor      # int64 [N]
+    parents: Tensor     # int32 [N]  -1 for the root
+    depth: Tensor       # int32 [N]
+    source: Tensor      # int8 [N]   ROOT / DRAFT / RETRIEVAL / PROMPT_LOOKUP (cand_source)
+    scores: Tensor      # float32 [N] drafter score; 0 root, -inf grafted nodes
+    pool_index: Tensor  # int64 [N]  pool entry of each drafted node, -1 otherwise
+    mask: Tensor        # int32 [N, ceil(N/32)] ancestor bits, layout of Tree.packed_mask
+    n_nodes: Tensor     # int64 []   valid prefix length
+    cand_node: Tensor   # int32 [C]  tree node each candidate landed on (new or shared), -1 if not in the tree
+
+    def as_tree(self) -> Tree:
+        """All N entries as a ``Tree``, padding included, with no host read: the fixed-shape verify
+        (``accept`` never accepts padding nor writes it to M; the verify embeds its token as 0)."""
+        return Tree(tokens=self.tokens, parents=self.parents, depth=self.depth, source=self.source,
+                    scores=self.scores)
+
+    def to_tree(self) -> Tree:
+        """The valid prefix as a ``Tree``: reads ``n_nodes`` (a host read: the verify forward's size)."""
+        n = HOST_READS.read(self.n_nodes)
+        return Tree(tokens=self.tokens[:n], parents=self.parents[:n], depth=self.depth[:n],
+                    source=self.source[:n], scores=self.scores[:n])

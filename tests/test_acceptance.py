@@ -6,8 +6,8 @@ import torch
 
 from graft_tk.acceptance import PRIOR_WEIGHT, SCORE_EDGES, AcceptanceEstimates, isotonic_fit
 from graft_tk.calibration.warm_start import isotonic_increasing
-from graft_tk.reference.graft_merge import build_tree
-from graft_tk.reference.retrieval import RetrievalTemplate, template_from_level_sizes
+from graft_tk.adjacency import RetrievalTemplate, template_from_level_sizes
+from graft_tk.reference.build_tree import build_tree
 from graft_tk.tree import PROMPT_LOOKUP, RETRIEVAL
 
 

@@ -19,7 +19,7 @@ from graft_tk.errors import InputError
 from graft_tk.models import Model
 from graft_tk.models.transformer import ModelConfig, Transformer
 from graft_tk.reference.accept import accept, greedy_accept
-from graft_tk.reference.retrieval import new_adjacency
+from graft_tk.adjacency import new_adjacency
 from graft_tk.sampling import target_probs
 from graft_tk.tree import Tree
 

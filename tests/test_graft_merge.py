@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from graft_tk.reference.graft_merge import freed_budget, graft_merge
-from graft_tk.reference.retrieval import RetrievalTemplate, default_template, retrieve
+from graft_tk.adjacency import RetrievalTemplate, default_template
+from graft_tk.reference.build_tree import freed_budget, graft_merge
+from graft_tk.reference.retrieve import retrieve
 from graft_tk.tree import DRAFT, RETRIEVAL, ROOT, Tree
 
 R, A, B, C, X, Y, Z = 100, 1, 2, 3, 4, 5, 6

@@ -19,7 +19,7 @@ from tests.kernel_utils import DEVICE, on_device, random_tree
 from graft_tk.backend import LAUNCHES
 from graft_tk.kernels.accept import accept as accept_kernel
 from graft_tk.reference.accept import accept, greedy_accept, quantize_probs, quantize_uniforms
-from graft_tk.reference.retrieval import new_adjacency
+from graft_tk.adjacency import new_adjacency
 from graft_tk.sampling import target_probs, truncated_probs
 from graft_tk.tree import Tree
 

@@ -12,11 +12,12 @@ import math
 import pytest
 import torch
 
+from graft_tk.adjacency import RetrievalTemplate, default_template, template_from_level_sizes
 from graft_tk.backend import LAUNCHES
-from graft_tk.kernels.graft_merge import build_tree as build_tree_kernel
+from graft_tk.kernels.build_tree import build_tree as build_tree_kernel
+from graft_tk.reference.build_tree import build_tree, draft_as_tree, graft_merge, select_nodes
 from graft_tk.reference.draft_expand import draft_expand
-from graft_tk.reference.graft_merge import build_tree, draft_as_tree, graft_merge, select_nodes
-from graft_tk.reference.retrieval import RetrievalTemplate, default_template, retrieve, template_from_level_sizes
+from graft_tk.reference.retrieve import retrieve
 from graft_tk.tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT, Tree
 from tests.kernel_utils import DEVICE, on_device
 

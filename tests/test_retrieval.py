@@ -1,9 +1,10 @@
-"""Token-Recycling reference: successor-matrix updates, templates, root-parallel retrieval."""
+"""Token Recycling: successor-matrix updates, templates (graft_tk.adjacency), root-parallel retrieval."""
 import pytest
 import torch
 
-from graft_tk.reference.retrieval import (RetrievalTemplate, default_template, new_adjacency, retrieve,
-                                          template_from_level_sizes, update_adjacency, warm_adjacency)
+from graft_tk.adjacency import (RetrievalTemplate, default_template, new_adjacency, template_from_level_sizes,
+                                 update_adjacency, warm_adjacency)
+from graft_tk.reference.retrieve import retrieve
 
 V, K = 16, 2
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..sampling import truncated_probs
 from ..tree import Tree
-from .retrieval import update_adjacency
+from ..adjacency import update_adjacency
 
 
 def greedy_accept(tree: Tree, logits: Tensor) -> tuple[Tensor, Tensor]:

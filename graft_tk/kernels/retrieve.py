@@ -1,6 +1,6 @@
 """Root-parallel retrieval (Token Recycling), every template level in ONE launch.
 
-The torch reference (``graft_tk.reference.retrieval.retrieve``) walks the template level by level,
+The torch reference (``graft_tk.reference.retrieve.retrieve``) walks the template level by level,
 one gather per level, because a level reads the tokens the previous level wrote. Here each
 template node is walked from the root on its own, along its cached rank path
 (``RetrievalTemplate.rank_paths``): node i at depth D does D dependent gathers
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..reference.retrieval import RetrievalTemplate
+from ..adjacency import RetrievalTemplate
 from ._common import launch, next_pow2
 
 

@@ -1,11 +1,13 @@
-"""Token-Recycling retrieval in torch: the successor matrix M and root-parallel retrieval.
+"""The token-successor adjacency matrix M and the retrieval template: state the engine owns and
+every backend reads.
 
 M (``adj``) is int32 [V, k]: row t holds the k tokens the target last ranked most likely after
 token t, best first; -1 marks a row never written. It lives on the device and is updated from
-every verification pass, so retrieval needs no drafter forward.
+every verification pass (``update_adjacency``: the rule the Triton accept kernel also follows),
+so retrieval needs no drafter forward.
 
-Retrieval walks a static template of rank paths from the root token: template node i takes
-column ``ranks[i]`` of the row of its parent's token. Worked example (k = 2)::
+Retrieval (``ops.retrieve``) walks a static template of rank paths from the root token: template
+node i takes column ``ranks[i]`` of the row of its parent's token. Worked example (k = 2)::
 
     M[5] = [7, 9]   M[7] = [3, -1]   M[9] = [-1, -1]     root token 5
     template  parents [-1, -1, 0, 0, 1]   ranks [0, 1, 0, 1, 0]   (levels [0, 2) and [2, 5))
@@ -107,7 +109,7 @@ class RetrievalTemplate:
     rank_paths : Tensor, int32 [T, max(len(levels), 1)]
         Computed: row i = the ranks on the path root -> node i (column d = the rank taken at
         depth d + 1), padded with -1 after ``depth[i]`` entries. It lets a kernel walk every node
-        from the root independently, all levels in one launch (``graft_tk.kernels.retrieval``).
+        from the root independently, all levels in one launch (``graft_tk.kernels.retrieve``).
         Example: parents [-1, -1, 0], ranks [0, 1, 1] -> rank_paths [[0, -1], [1, -1], [0, 1]].
     """
 
@@ -200,35 +202,3 @@ DEFAULT_LEVEL_SIZES = (8, 21, 25, 15, 8, 3)  # Token Recycling's 80-node templat
 def default_template(k: int = 8) -> RetrievalTemplate:
     """The Token-Recycling-like 80-node template, level sizes 8/21/25/15/8/3."""
     return template_from_level_sizes(DEFAULT_LEVEL_SIZES, k)
-
-
-# --------------------------------------------------------------------------- retrieval
-def retrieve(adj: Tensor, root_token: Tensor, template: RetrievalTemplate) -> Tensor:
-    """Tokens of every template node, walked from ``root_token`` through ``adj``.
-
-    Parameters
-    ----------
-    adj : Tensor, int32 [V, k]
-        The successor matrix, ``k >= template.k``.
-    root_token : Tensor, int64 [] or [1]
-        The last committed token.
-    template : RetrievalTemplate
-        T nodes in BFS order, on ``adj``'s device (see ``RetrievalTemplate.to``).
-
-    Returns
-    -------
-    Tensor, int64 [T]
-        Token of each template node; -1 where the parent's token is -1 or the M entry is empty,
-        so a missing node's whole subtree is -1. One gather per level, no host sync.
-    """
-    if adj.shape[1] < template.k:
-        raise ValueError(f"template reads k={template.k} columns but adj has only {adj.shape[1]}")
-    root = root_token.reshape(1).to(torch.int64)
-    out = torch.full((template.n,), -1, dtype=torch.int64, device=adj.device)
-    for start, end in template.levels:
-        par = template.parents[start:end].long()
-        # Parents of a level lie in earlier levels, already written; -1 parents read the root.
-        ptok = torch.where(par < 0, root, out[par.clamp(min=0)])
-        tok = adj[ptok.clamp(min=0), template.ranks[start:end].long()].to(torch.int64)
-        out[start:end] = torch.where(ptok < 0, -1, tok)
-    return out

@@ -7,8 +7,9 @@ import torch
 
 from tests.kernel_utils import DEVICE, on_device  # (imports graft_tk.kernels first: interpreter on CPU)
 from graft_tk.backend import LAUNCHES
-from graft_tk.kernels.retrieval import retrieve as retrieve_kernel
-from graft_tk.reference.retrieval import RetrievalTemplate, retrieve, template_from_level_sizes
+from graft_tk.adjacency import RetrievalTemplate, template_from_level_sizes
+from graft_tk.kernels.retrieve import retrieve as retrieve_kernel
+from graft_tk.reference.retrieve import retrieve
 
 
 def random_adjacency(vocab: int, k: int, seed: int, empty_rows: float = 0.3, empty_cols: float = 0.2) -> torch.Tensor:

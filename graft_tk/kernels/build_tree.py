@@ -1,6 +1,6 @@
 """build_tree in one Triton launch: prune + rerank the drafter's pool, graft every candidate, give
 the N - 1 places to the nodes likeliest to be accepted, write fixed-shape tree tensors and the
-bit-packed ancestor mask. Same signature and outputs as ``graft_tk.reference.graft_merge.build_tree``.
+bit-packed ancestor mask. Same signature and outputs as ``graft_tk.reference.build_tree.build_tree``.
 
 One program (grid (1,)): the work is a few hundred dependent steps over <= ~256 nodes, far too
 little to spread over programs, and a single program can synchronise with ``tl.debug_barrier``.
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.graft_merge import BuiltTree
+from ..tree import BuiltTree
 from ..tree import DRAFT, ROOT
 from ._common import launch, next_pow2
 from .draft_expand import _MIN_KEY, _desc_key
@@ -245,7 +245,7 @@ def build_tree(pool_tokens: torch.Tensor, pool_parents: torch.Tensor, pool_score
                log_tau: float, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
                cand_source: torch.Tensor, budget_n: int, pool_values: torch.Tensor | None = None,
                cand_values: torch.Tensor | None = None) -> BuiltTree:
-    """Triton version of ``graft_tk.reference.graft_merge.build_tree``: same arguments, same
+    """Triton version of ``graft_tk.reference.build_tree.build_tree``: same arguments, same
     ``BuiltTree`` (shapes fixed by P, C, N; padding as documented there). One launch, no host
     sync; ``n_pool`` may be a device tensor (read by the kernel, clamped to [0, P]). Inputs must
     be well formed (parents before children); that is not checked on device.

@@ -1,6 +1,6 @@
 """KV commit: move the accepted path's KV into contiguous slots, every layer, K and V, ONE launch.
 
-Semantics are those of ``graft_tk.reference.kv_commit.commit_kv``: slot ``dst_start + i``
+Semantics are those of ``graft_tk.reference.commit_kv.commit_kv``: slot ``dst_start + i``
 receives slot ``src_slots[i]``. Source and destination ranges overlap (accepted tree nodes sit
 just after the prefix: src [t, t+2, t+3] -> dst [t, t+1, t+2] reads slot t+2 for row 1 and
 writes it for row 2), so the order of reads and writes matters.

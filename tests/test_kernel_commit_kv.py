@@ -7,8 +7,8 @@ import torch
 
 from tests.kernel_utils import DEVICE, on_device  # (imports graft_tk.kernels first: interpreter on CPU)
 from graft_tk.backend import LAUNCHES
-from graft_tk.kernels.kv_commit import commit_kv as commit_kernel
-from graft_tk.reference.kv_commit import commit_kv as commit_reference
+from graft_tk.kernels.commit_kv import commit_kv as commit_kernel
+from graft_tk.reference.commit_kv import commit_kv as commit_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
