@@ -61,5 +61,16 @@ class HostReads:
         self.count += 1
         return t.tolist()
 
+    def read_many(self, *tensors: torch.Tensor) -> list[list]:
+        """Several tensors in ONE read (one wait for the device): each one flattened to a list,
+        ints for integer dtypes (exact below 2**53: token ids, slots, counts), floats otherwise."""
+        flat = self.read(torch.cat([t.reshape(-1).double() for t in tensors]))
+        out, at = [], 0
+        for t in tensors:
+            part = flat[at:at + t.numel()]
+            out.append([int(x) for x in part] if not (t.is_floating_point() or t.is_complex()) else part)
+            at += t.numel()
+        return out
+
 
 HOST_READS = HostReads()

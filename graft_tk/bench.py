@@ -26,7 +26,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -108,11 +108,20 @@ class Plan:
     # "off" / "on": every method's step forwards eager / compiled (graft_tk.compiled); "both": each
     # method twice, eager and as "<method>:compiled", interleaved in one run
     compile: str = "off"
+    # "off" / "on": the methods that prune draft and verify at the config's fixed tau, D and N /
+    # choose depth and budget per step from ``config.cost`` (graft_tk.policy); "both": each such
+    # method twice, fixed and as "<method>:adaptive"
+    adaptive: str = "off"
     warmup_seconds: dict = field(default_factory=dict)   # per run name: the untimed first call (compiles)
 
     def __post_init__(self):
         if self.compile not in COMPILE_MODES:
             raise InputError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        if self.adaptive not in COMPILE_MODES:
+            raise InputError(f"--adaptive must be one of {', '.join(COMPILE_MODES)}, got {self.adaptive!r}")
+        if self.adaptive != "off" and self.config.cost is None:
+            raise InputError("--adaptive needs the device's cost model in the config: run graft-calibrate "
+                             "--cost-only and pass --profile")
         if self.repeats < 1:
             raise InputError(f"--repeats must be >= 1, got {self.repeats}")
         if self.max_new_tokens < 1:
@@ -126,10 +135,14 @@ class Plan:
 
     @property
     def our_names(self) -> tuple[str, ...]:
-        """Our runs: the methods, and with compile "both" each again as "<method>:compiled"."""
+        """Our runs: the methods; with adaptive "both" each that prunes again as "<method>:adaptive";
+        with compile "both" each of those again as "<name>:compiled"."""
+        names = self.methods
+        if self.adaptive == "both":
+            names += tuple(m + ADAPTIVE_SUFFIX for m in self.methods if m in config_mod.PRUNES)
         if self.compile == "both":
-            return self.methods + tuple(m + COMPILED_SUFFIX for m in self.methods)
-        return self.methods
+            names += tuple(n + COMPILED_SUFFIX for n in names)
+        return names
 
     @property
     def run_names(self) -> tuple[str, ...]:
@@ -140,12 +153,16 @@ class Plan:
         if name not in self.our_names:
             return self.anchors.run(name, ids, max_new_tokens, self.temperature, self.seed, self.top_p)
         compiled = self.compile == "on" or name.endswith(COMPILED_SUFFIX)
-        return cold_decode(self.target, self.drafter, name.removesuffix(COMPILED_SUFFIX), self.config, ids,
+        name = name.removesuffix(COMPILED_SUFFIX)
+        adaptive = self.adaptive == "on" or name.endswith(ADAPTIVE_SUFFIX)
+        config = self.config if adaptive else replace(self.config, cost=None)
+        return cold_decode(self.target, self.drafter, name.removesuffix(ADAPTIVE_SUFFIX), config, ids,
                            max_new_tokens, self.temperature, self.seed, self.top_p, compiled)
 
 
-COMPILE_MODES = ("off", "on", "both")
+COMPILE_MODES = ("off", "on", "both")   # also the modes of Plan.adaptive
 COMPILED_SUFFIX = ":compiled"
+ADAPTIVE_SUFFIX = ":adaptive"
 
 
 def cold_decode(target: Model, drafter: Model | Eagle3Head | None, method: str, config: GraftConfig | None,
@@ -244,7 +261,8 @@ def _entry(rows: list[dict], ar_tok_s: dict) -> dict:
              "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
              "speedup": statistics.median(ratios) if ratios else None,
              "exact": {"compared": len(exact), "mismatches": exact.count(False)} if exact else None,
-             "mat": None, "drafter_forwards_per_step": None, "accepted_per_step": None, "time_split": None}
+             "mat": None, "drafter_forwards_per_step": None, "accepted_per_step": None,
+             "expected_accepted_per_step": None, "time_split": None}
     if rows[0]["kind"] == "anchor":
         return entry     # HF generate reports none of the counts below
     steps = sum(s.get("steps", 0) for s in stats)
@@ -259,6 +277,11 @@ def _entry(rows: list[dict], ar_tok_s: dict) -> dict:
                 for src, n in s.get("accepted_by_source", {}).items():
                     accepted[src] = accepted.get(src, 0) + n
             entry["accepted_per_step"] = {src: n / steps for src, n in accepted.items()}
+            expected: dict[str, float] = {}
+            for s in stats:
+                for src, x in s.get("expected_accepted_by_source", {}).items():
+                    expected[src] = expected.get(src, 0.0) + x
+            entry["expected_accepted_per_step"] = {src: x / steps for src, x in expected.items()}
     if seconds > 0 and any("time_split" in s for s in stats):
         split = {ph: sum(s.get("time_split", {}).get(ph, 0.0) for s in stats) / seconds for ph in PHASES[1:]}
         entry["time_split"] = {"prefill": sum(s.get("prefill_seconds", 0.0) for s in stats) / seconds, **split}
@@ -278,6 +301,21 @@ def markdown_table(summary: dict, temperature: float = 0.0) -> str:
                          f"| {_fmt(e['mat'])} | {_fmt(e['drafter_forwards_per_step'])} "
                          f"| {_fmt_sources(e['accepted_per_step'])} | {_fmt_split(e['time_split'])} "
                          f"| {_fmt_exact(e['exact'], temperature)} |")
+    return "\n".join(lines)
+
+
+def acceptance_table(summary: dict) -> str:
+    """Estimate vs observed, per method and source (all prompts): the accepted nodes per step the
+    acceptance estimates predicted for the trees verified (before each step's outcome), and the
+    accepted nodes per step counted."""
+    lines = ["| method | source | expected accepted/step | observed accepted/step | observed / expected |",
+             "|---|---|---|---|---|"]
+    for m, e in summary["all"].items():
+        expected, observed = e.get("expected_accepted_per_step") or {}, e.get("accepted_per_step") or {}
+        for src in sorted(expected):
+            obs = observed.get(src, 0.0)
+            ratio = f"{obs / expected[src]:.2f}" if expected[src] > 0 else "n.a."
+            lines.append(f"| {m} | {src} | {expected[src]:.3f} | {obs:.3f} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -328,7 +366,7 @@ def build_report(plan: Plan, rows: list[dict], args: dict | None = None) -> dict
                    "dtype": str(plan.target.dtype).removeprefix("torch."), "device": str(plan.target.device),
                    "methods": list(plan.methods), "max_new_tokens": plan.max_new_tokens,
                    "temperature": plan.temperature, "top_p": plan.top_p, "seed": plan.seed, "repeats": plan.repeats,
-                   "compile": plan.compile, "graft": asdict(plan.config), "args": args or {}},
+                   "compile": plan.compile, "adaptive": plan.adaptive, "graft": asdict(plan.config), "args": args or {}},
         "warmup_seconds": plan.warmup_seconds,
         "prompts": [{"id": p.id, "category": p.category} for p in plan.prompts],
         "anchors": plan.anchors.status if plan.anchors else {},

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .cost import StepCost
 from .errors import InputError
 
 # Methods, all at the same verification budget N so that comparisons are fair. The sources of
@@ -36,6 +37,10 @@ class GraftConfig:
     warm_from_prefill: bool = True  # fill M from the prompt's logits before the first step
     pld_tokens: int = 10    # prompt-lookup chain length (the *pld methods)
     pld_max_ngram: int = 3  # longest suffix n-gram looked up (down to 1)
+    # The device's cost model (graft-calibrate --cost-only). When set, the methods that prune
+    # choose their drafting depth and (when the verify size may vary) their budget per step by
+    # expected gain (graft_tk.policy); budget, tau and max_depth become bounds. None: fixed.
+    cost: StepCost | None = None
 
     def __post_init__(self):
         _check(isinstance(self.budget, int) and self.budget >= 1, f"budget (N) must be an int >= 1, got {self.budget!r}")
@@ -52,6 +57,13 @@ class GraftConfig:
         _check(isinstance(self.pld_max_ngram, int) and self.pld_max_ngram >= 1,
                f"pld_max_ngram must be an int >= 1, got {self.pld_max_ngram!r}")
         object.__setattr__(self, "template", tuple(self.template))
+        if isinstance(self.cost, dict):     # from a profile's JSON
+            object.__setattr__(self, "cost", StepCost(**self.cost))
+        if self.cost is not None:
+            _check(isinstance(self.cost, StepCost), f"cost must be a StepCost, got {type(self.cost).__name__}")
+            _check(len(self.cost.verify_ms) >= self.budget,
+                   f"cost.verify_ms covers {len(self.cost.verify_ms)} nodes, fewer than budget {self.budget}: "
+                   "remeasure with graft-calibrate --cost-only")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -45,13 +45,18 @@ class DraftPool:
     depth: Tensor       # int64 [P]
     n: int              # valid entries (a host count: F*K per depth, known without a sync)
     slots: Tensor       # int64 [P] drafter cache slot holding each entry's KV, -1 if never run
-    forwards: int       # drafter forward passes this step
+    widths: tuple[int, ...]   # tokens in each drafter forward of this step (the cost model prices them)
 
     @classmethod
     def empty(cls, device) -> "DraftPool":
         """No drafter: retrieval-only methods graft onto the bare root."""
         z = torch.zeros(0, dtype=torch.long, device=device)
-        return cls(z, z, torch.zeros(0, device=device), z, 0, z, 0)
+        return cls(z, z, torch.zeros(0, device=device), z, 0, z, ())
+
+    @property
+    def forwards(self) -> int:
+        """Drafter forward passes this step."""
+        return len(self.widths)
 
     def slots_of(self, pool_index: Tensor) -> Tensor:
         """Drafter cache slot of each tree node (``build_tree``'s pool_index; -1: not drafted or never run)."""
@@ -84,16 +89,17 @@ class Drafter(Protocol):
 FrontierForward = Callable[[Tensor, Tensor, Tensor, int, Tensor, int], Tensor]
 
 
-def expand(logits: Tensor, forward: FrontierForward, root_slot: int, cfg: GraftConfig, log_tau: float,
-           ops: Ops) -> DraftPool:
-    """Expand from the root (``logits`` [1, V], its next-token logits) up to ``cfg.max_depth`` depths.
+def expand(logits: Tensor, first_width: int, forward: FrontierForward, root_slot: int, cfg: GraftConfig,
+           log_tau: float, ops: Ops) -> DraftPool:
+    """Expand from the root (``logits`` [1, V], its next-token logits, from a forward of
+    ``first_width`` tokens) up to ``cfg.max_depth`` depths.
 
     The root's KV is in cache slot ``root_slot``; each depth's frontier gets scratch slots after it.
     Expansion stops early once every new child scores below ``log_tau`` (scores only fall with
     depth, so nothing deeper could pass); ``log_tau = -inf`` drafts the full depth D (``tree``).
     """
     device, K, D = logits.device, cfg.top_k, cfg.max_depth
-    forwards = 1                          # the forward that produced the root's logits
+    widths = [first_width]
     pool_max = K + (D - 1) * K * K
     tokens = torch.zeros(pool_max, dtype=torch.long, device=device)
     parents = torch.full((pool_max,), -1, dtype=torch.long, device=device)
@@ -129,9 +135,9 @@ def expand(logits: Tensor, forward: FrontierForward, root_slot: int, cfg: GraftC
         positions = torch.full((F,), root_slot + depth, dtype=torch.long, device=device)
         logits = forward(tokens[frontier], child_par[nxt], positions, root_slot + 1 + n_scratch,
                          anc[new, :n_scratch + F], root_slot + 1)
-        forwards += 1
+        widths.append(F)
         n_scratch += F
-    return DraftPool(tokens, parents, scores, depths, n, slots, forwards)
+    return DraftPool(tokens, parents, scores, depths, n, slots, tuple(widths))
 
 
 class ModelDrafter:
@@ -159,7 +165,7 @@ class ModelDrafter:
             return step(tokens[None], positions, start, attn_mask=attn_mask, mask_prefix=mask_prefix,
                         attention=ops.tree_attention)[0]
 
-        return expand(logits, forward, kv_len + P - 1, cfg, log_tau, ops)
+        return expand(logits, P, forward, kv_len + P - 1, cfg, log_tau, ops)
 
     def commit(self, path: Tensor, path_slots: Tensor, path_slots_host: list[int], features: Tensor | None,
                ops: Ops) -> None:
@@ -207,7 +213,7 @@ class Eagle3Drafter:
             state["hidden"] = h[0]
             return lg[0]
 
-        return expand(logits[0], forward, root_slot, cfg, log_tau, ops)
+        return expand(logits[0], P, forward, root_slot, cfg, log_tau, ops)
 
     def commit(self, path: Tensor, path_slots: Tensor, path_slots_host: list[int], features: Tensor | None,
                ops: Ops) -> None:

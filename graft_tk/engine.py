@@ -12,7 +12,7 @@ from collections import Counter
 
 import torch
 
-from .acceptance import AcceptanceEstimates
+from .acceptance import SCORE_EDGES, AcceptanceEstimates
 from .backend import HOST_READS, LAUNCHES
 from .compiled import StepForward
 from .config import PRUNES, USES_DRAFTER, USES_PROMPT_LOOKUP, USES_RETRIEVAL, GraftConfig
@@ -22,6 +22,7 @@ from .models import Model
 from .models.eagle3 import Eagle3Head
 from .ops import ops_for
 from .adjacency import new_adjacency, template_from_level_sizes, warm_adjacency
+from .policy import StepPolicy
 from .sampling import next_token
 from .tree import PROMPT_LOOKUP, RETRIEVAL, ROOT, SOURCE_NAMES
 
@@ -55,6 +56,9 @@ class Engine:
         # P(accepted) of each source's candidates, learnt online: what build_tree ranks the budget by.
         self.estimates = AcceptanceEstimates(self.template, self.config.pld_tokens, self.config.pld_max_ngram,
                                              target.device)
+        # With the device's cost model: depth and budget chosen per step by expected gain.
+        self.policy = (StepPolicy(self.config.cost, self.config.budget, self.config.top_k, target.device,
+                                  fixed_budget=static_shapes) if self.config.cost is not None else None)
         # Set to a list to record, per verified node, (source, depth, drafter score, accepted?):
         # graft-calibrate fits its score -> acceptance map from it. Off by default (host syncs).
         self.acceptance_log: list[tuple[int, int, float, bool]] | None = None
@@ -89,6 +93,10 @@ class Engine:
         log_tau = math.log(cfg.tau) if method in PRUNES else -math.inf
         cand_parents, cand_source, (pld_span, retrieval_span) = self._candidate_layout(use_pld, use_retrieval)
         estimates = self.estimates
+        # Adaptive (a cost model, a method that prunes): the drafting depth every step, and the
+        # budget too where the verify's size may change (not with static shapes).
+        policy = self.policy if method in PRUNES else None
+        adaptive_budget = policy is not None and not self.static_shapes
         stats = _Stats(method, ops.backend, device)
         t0 = time.perf_counter()
         n = len(ids)
@@ -121,13 +129,16 @@ class Engine:
         if on_tokens:
             on_tokens([first])
         done = first in eos or max_new_tokens <= 1
+        # The score -> acceptance map the depth threshold reads (refreshed by each step's host read).
+        draft_rates = HOST_READS.read(estimates.draft_rates()) if policy is not None else None
 
         while not done:
             launches_before, reads_before = LAUNCHES.snapshot(), HOST_READS.count
             # 1-2. Draft with calibrated pruning: the drafter's candidate pool (empty without a drafter).
             t = stats.clock()
             if drafter is not None:
-                pool = drafter.draft(context, length, cfg, log_tau, ops)
+                step_tau = log_tau if policy is None else policy.depth_log_tau(draft_rates, SCORE_EDGES, log_tau)
+                pool = drafter.draft(context, length, cfg, step_tau, ops)
             else:
                 pool = DraftPool.empty(device)
             stats.add_time("draft", t)
@@ -145,9 +156,12 @@ class Engine:
                 values.append(estimates.retrieval_values())
             cand_tokens = torch.cat(candidates) if candidates else torch.zeros(0, dtype=torch.long, device=device)
             cand_values = torch.cat(values) if values else torch.zeros(0, device=device)
+            pool_values = estimates.draft_values(pool.scores)
+            budget = cfg.budget
+            if adaptive_budget:
+                budget = policy.budget(_candidate_values(pool, pool_values, log_tau, cand_tokens, cand_values))
             built = ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, root, log_tau,
-                                   cand_tokens, cand_parents, cand_source, cfg.budget,
-                                   estimates.draft_values(pool.scores), cand_values)
+                                   cand_tokens, cand_parents, cand_source, budget, pool_values, cand_values)
             tree = built.as_tree() if self.static_shapes else built.to_tree()   # to_tree: a host read
             stats.add_time("retrieve", t)
             # 7. Verify the whole tree in one target forward with tree attention.
@@ -163,6 +177,7 @@ class Engine:
             uniforms = (torch.rand(tree.n, generator=generator, device=device) if temperature > 0 else None)
             path, n_path, bonus = ops.accept(tree, logits, self.adjacency if use_retrieval else None,
                                              temperature, top_p, uniforms)
+            stats.expect(built, estimates, pool_values, cand_values)   # before the update: a prediction
             estimates.update(built, path, pld_span, ngram, retrieval_span)
             # The accepted nodes after the root, then the bonus, go into the context on the device
             # (entries past what the host commits below are overwritten by the next step).
@@ -170,22 +185,25 @@ class Engine:
             context[length:length + N] = torch.where(torch.arange(N, device=device) == n_path - 1, bonus,
                                                      tree.tokens[p].roll(-1))
             # One host read for all the host needs from this step: the path's length, its tokens,
-            # the bonus, its nodes' drafter slots, sources and depths; the tree's nodes per source.
+            # the bonus, its nodes' drafter slots, sources and depths; the tree's nodes per source;
+            # the refreshed score -> acceptance map when the policy reads it.
             node_slots = pool.slots_of(built.pool_index[:tree.n])
-            host = HOST_READS.read(torch.cat([
-                n_path.view(1), bonus.view(1), path, tree.tokens[p], node_slots[p], tree.source[p].long(),
-                tree.depth[p].long(), torch.bincount(tree.source.long() + 1, minlength=len(SOURCE_NAMES) + 1)[1:]]))
-            m = host[0]
-            path_list, path_tokens, path_slots, path_source, path_depth = (
-                host[2 + i * N:2 + i * N + m] for i in range(5))
+            (m, b), *per_node, nodes_by_source, rates = HOST_READS.read_many(
+                torch.stack([n_path.long(), bonus.long()]), path, tree.tokens[p], node_slots[p], tree.source[p],
+                tree.depth[p], torch.bincount(tree.source.long() + 1, minlength=len(SOURCE_NAMES) + 1)[1:],
+                estimates.draft_rates() if policy is not None else path[:0])
+            path_list, path_tokens, path_slots, path_source, path_depth = (x[:m] for x in per_node)
+            draft_rates = rates or draft_rates
             path = path[:m]
-            new = path_tokens[1:] + [host[1]]
+            new = path_tokens[1:] + [b]
             # EOS inside the path and the max_new_tokens limit truncate what is committed.
             for i, tok in enumerate(new):
                 if tok in eos or len(out) + i + 1 >= max_new_tokens:
                     new, done = new[:i + 1], True
                     break
-            stats.record_step(path_source, path_depth, host[2 + 5 * N:], len(new), pool.forwards)
+            stats.record_step(path_source, path_depth, nodes_by_source, len(new), pool.forwards, tree.n)
+            if policy is not None:   # a request's first drafter forward is its prompt's prefill: not a step cost
+                policy.observe(len(new), tree.n, pool.widths[1:] if stats.steps == 1 else pool.widths)
             if self.acceptance_log is not None:
                 on_path = set(path_list)
                 source, depth, scores = HOST_READS.read(torch.stack([tree.source.float(), tree.depth.float(),
@@ -212,6 +230,14 @@ class Engine:
         return out, stats.finish(n, len(out), time.perf_counter() - t0)
 
 
+def _candidate_values(pool: DraftPool, pool_values: torch.Tensor, log_tau: float, cand_tokens: torch.Tensor,
+                      cand_values: torch.Tensor) -> torch.Tensor:
+    """log P(accepted) of every node ``build_tree`` may choose from (-inf: not a candidate): the
+    valid pool entries scoring >= log_tau, then the candidates that have a token."""
+    valid = (torch.arange(pool.scores.shape[0], device=pool.scores.device) < pool.n) & (pool.scores >= log_tau)
+    return torch.cat([pool_values.masked_fill(~valid, -math.inf), cand_values.masked_fill(cand_tokens < 0, -math.inf)])
+
+
 def _forward(net, hidden_layers, tokens, positions, start, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A target forward of one sequence: (logits [T, V], features [T, F] at ``hidden_layers`` or None)."""
     if hidden_layers is None:
@@ -235,6 +261,10 @@ class _Stats:
         self.prefill_seconds = 0.0
         self.seconds = Counter()
         self.nodes, self.accepted, self.accepted_by_depth = Counter(), Counter(), Counter()
+        # Per step: nodes verified, drafter forwards, tokens committed (what an adaptive policy chose).
+        self.per_step: dict[str, list[int]] = {"nodes": [], "drafter_forwards": [], "committed": []}
+        # Expected accepted nodes per source code, summed on the device over the steps (read at the end).
+        self.expected = torch.zeros(len(SOURCE_NAMES), device=device)
 
     def clock(self):
         """A phase's start: a recorded CUDA event, or the host clock."""
@@ -257,12 +287,28 @@ class _Stats:
                 self.seconds[phase] += start.elapsed_time(end) / 1000
             self.pending_events = []
 
+    def expect(self, built, estimates: AcceptanceEstimates, pool_values: torch.Tensor,
+               cand_values: torch.Tensor) -> None:
+        """Add the step's expected accepted nodes per source: each tree node's estimated P(on the
+        accepted path) (drafted: by its score; grafted: its candidate's, the highest when several
+        land on it), the estimates taken before the step's outcome is counted."""
+        N = built.tokens.shape[0]
+        est = torch.zeros(N + 1, device=cand_values.device)
+        node = built.cand_node.long()
+        est.scatter_reduce_(0, torch.where(node >= 0, node, N), cand_values.float().exp(), "amax")
+        drafted = estimates.draft_values(built.scores).exp().masked_fill(built.pool_index < 0, 0.0)
+        est = torch.maximum(est[:N], drafted)
+        self.expected += torch.bincount(built.source.long() + 1, weights=est, minlength=len(SOURCE_NAMES) + 1)[1:]
+
     def record_step(self, path_source: list[int], path_depth: list[int], nodes_by_source: list[int],
-                    committed: int, drafter_forwards: int) -> None:
+                    committed: int, drafter_forwards: int, verified: int) -> None:
         """One step: the accepted path's sources and depths (root first), the tree's node count per
-        source code, the tokens committed (the bonus included) and the drafter forwards run."""
+        source code, the tokens committed (the bonus included), the drafter forwards run and the
+        nodes verified."""
         self.steps += 1
         self.drafter_forwards += drafter_forwards
+        for key, value in (("nodes", verified), ("drafter_forwards", drafter_forwards), ("committed", committed)):
+            self.per_step[key].append(value)
         for code, count in enumerate(nodes_by_source):
             if code != ROOT and count:
                 self.nodes[SOURCE_NAMES[code]] += count
@@ -278,6 +324,7 @@ class _Stats:
 
     def finish(self, prompt_tokens: int, tokens: int, seconds: float) -> dict:
         self._read_events()
+        expected = self.expected.tolist()
         steps = max(self.steps, 1)
         return {
             "method": self.method, "prompt_tokens": prompt_tokens, "tokens": tokens, "steps": self.steps,
@@ -288,6 +335,10 @@ class _Stats:
             # for the device; the drafters read once per depth whose stop flag decides the next forward
             "host_syncs_per_step": self.host_reads / steps,
             "nodes_by_source": dict(self.nodes), "accepted_by_source": dict(self.accepted),
+            # the acceptance estimates' prediction of accepted_by_source (how well they are calibrated)
+            "expected_accepted_by_source": {SOURCE_NAMES[code]: round(x, 3) for code, x in enumerate(expected)
+                                            if code != ROOT and self.nodes[SOURCE_NAMES[code]]},
+            "per_step": self.per_step,
             "accepted_by_depth": {int(k): v for k, v in sorted(self.accepted_by_depth.items())},
             "time_split": {k: self.seconds[k] for k in ("draft", "retrieve", "verify", "commit")},
             "backend": self.backend,

@@ -71,3 +71,44 @@ def plot_summary(summary: dict, path: str | Path, title: str = "") -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     atomic_write_bytes(Path(path), buf.getvalue())
+
+
+def plot_trace(per_step: dict[str, list[int]], labels: list[str], path: str | Path, title: str = "",
+               window: int = 8) -> None:
+    """Write what an adaptive engine chose, step by step, to ``path`` (PNG): tree nodes verified,
+    drafter forwards and tokens committed per step (points; a line for the mean of the last
+    ``window`` steps), the background shaded by ``labels`` (the workload of each step)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = (("nodes", "nodes verified"), ("drafter_forwards", "drafter forwards"), ("committed", "tokens committed"))
+    fig = Figure(figsize=(12, 7), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(rows), 1, sharex=True)
+    steps = list(range(len(labels)))
+    spans, start = [], 0
+    for i in range(1, len(labels) + 1):
+        if i == len(labels) or labels[i] != labels[start]:
+            spans.append((start, i, labels[start]))
+            start = i
+    names = list(dict.fromkeys(labels))
+    for ax, (key, name) in zip(axes, rows):
+        values = per_step[key]
+        mean = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+                for i in range(len(values))]
+        for lo, hi, label in spans:
+            ax.axvspan(lo - 0.5, hi - 0.5, color=f"C{names.index(label)}", alpha=0.12, lw=0)
+        ax.plot(steps, values, ".", ms=3, color="0.35")
+        ax.plot(steps, mean, "-", color="C3", lw=1.5, label=f"mean of {window} steps")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="upper right")
+    for lo, hi, label in spans:
+        if lo == 0 or labels[lo - 1] != label:
+            axes[0].annotate(label, (lo, 1.0), xycoords=("data", "axes fraction"), va="bottom", fontsize=9)
+    axes[-1].set_xlabel("step (the workloads' prompts one after another, one engine)")
+    if title:
+        fig.suptitle(title)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    atomic_write_bytes(path, buf.getvalue())

@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the step forwards compiled (torch.compile; minutes per model on a small CPU, in "
                         "the untimed warm-up); 'both' runs every method eager and as '<method>:compiled' in one "
                         "interleaved run")
+    p.add_argument("--adaptive", nargs="?", const="on", default="off", choices=bench.COMPILE_MODES,
+                   help="the methods that prune choose drafting depth and budget per step from the device's cost "
+                        "model (--profile's, else measured first, a minute or two); 'both' runs each such method "
+                        "fixed and as '<method>:adaptive' in one interleaved run")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -84,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"graft-bench: error: {e}", file=sys.stderr)
         return 2
     print(bench.markdown_table(report["summary"], args.temperature))
+    if any(e.get("expected_accepted_per_step") for e in report["summary"]["all"].values()):
+        print("\nacceptance estimates vs observed (all prompts):\n" + bench.acceptance_table(report["summary"]))
     for name, s in report["anchors"].items():
         if s["status"] != "ok":
             print(f"\nnote: anchor {name} {s['status']}: {s['error']}", file=sys.stderr)
@@ -132,9 +138,16 @@ def _run(args) -> dict:
                              f"{args.model} first (graft-calibrate --show lists profiles)")
         config = dataclasses.replace(profile.config, **overrides)
         print(f"config from {profile.path}", file=sys.stderr)
+    if args.adaptive != "off" and config.cost is None:
+        from ..cost import measure_step_cost
+        print("measuring the device's cost model (graft-calibrate --cost-only stores it in the profile) ...",
+              file=sys.stderr)
+        cost = measure_step_cost(target, drafter, config, compile=args.compile == "on",
+                                 progress=lambda msg: print("  " + msg, file=sys.stderr))
+        config = dataclasses.replace(config, cost=cost)
     plan = bench.Plan(target, drafter, config, methods, prompts, args.max_new_tokens, args.temperature,
                       args.seed, args.repeats, HFAnchors(target, drafter, anchors) if anchors else None,
-                      top_p=args.top_p, compile=args.compile)
+                      top_p=args.top_p, compile=args.compile, adaptive=args.adaptive)
 
     total = len(prompts) * len(plan.run_names) * args.repeats
     with tqdm(total=total, desc="graft-bench", unit="run", disable=None, file=sys.stderr) as bar:

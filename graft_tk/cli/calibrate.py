@@ -1,16 +1,23 @@
 """graft-calibrate: find the fastest lossless GraftConfig for a model pair on this machine.
 
     graft-calibrate --model qwen2.5-coder-1.5b --trials 25 --n-prompts 4
+    graft-calibrate --model qwen2.5-coder-1.5b --cost-only
     graft-calibrate --show
 
 Each trial decodes the tuning prompts for real (greedy, timed, output checked against plain
 decoding); Optuna's TPE picks the next config. The best config is written as a profile that
 ``graft_tk.decode`` and graft-generate load by default for this (target, drafter, device, dtype).
 Studies live in Optuna storage, so rerunning the same command resumes the search.
+
+The device's cost model (``graft_tk.cost``: target and drafter forwards of 1 .. N tokens, a step's
+other work) is measured after the search; with it the methods that prune choose their depth and
+budget per step (``graft_tk.policy``), and the held-out check keeps it when that is faster.
+``--cost-only`` measures just the cost model (a minute or two) into the pair's profile.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import logging
 import sys
@@ -19,10 +26,10 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..bench import drafter_spec, load_drafter
-from ..config import METHODS, USES_DRAFTER
+from ..config import METHODS, USES_DRAFTER, GraftConfig
 from ..errors import CorruptFileError, GraftError, InputError
 from ..models import load_model
-from ..prompts import Prompt, load_prompts
+from ..prompts import Prompt, load_prompts, spec_bench_path
 from ..sampling import check_sampling_args
 
 
@@ -38,8 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the registry's pair for --model)")
     p.add_argument("--methods", default="graft",
                    help="comma list searched as a parameter too, e.g. graft,pruned,pld (default: %(default)s)")
-    p.add_argument("--prompts", default="humaneval",
-                   help="humaneval | spec-bench | PATH.jsonl (Spec-Bench 'turns' or one 'prompt' per line)")
+    p.add_argument("--prompts", default=None,
+                   help="humaneval | spec-bench | math | mix | PATH.jsonl (Spec-Bench 'turns' or one 'prompt' per "
+                        "line), or a comma list (default: mix = HumanEval, Spec-Bench's categories and math; "
+                        "without Spec-Bench's data: humaneval#6,math)")
     p.add_argument("--n-prompts", type=int, default=4, help="tuning prompts (default: %(default)s)")
     p.add_argument("--validate", type=int, default=4, metavar="N",
                    help="afterwards, time best vs default on N other prompts from --prompts (0 = skip; default 4)")
@@ -61,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus cut when sampling (default: %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="decode with compiled step forwards (torch.compile; each budget N tried compiles a graph)")
+    p.add_argument("--cost-only", action="store_true",
+                   help="only measure the device's cost model into this pair's profile (keeps its config; "
+                        "the default config when there is no profile yet)")
     p.add_argument("--show", action="store_true", help="list profiles and studies, then exit")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -83,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args) -> int:
     from ..calibration import report, search
     from ..calibration.profiles import profile_key, write_profile
+    from ..cost import measure_step_cost
 
     methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     bad = [m for m in methods if m not in METHODS or m == "ar"]
@@ -98,6 +111,10 @@ def run(args) -> int:
         raise InputError(f"no known drafter pairs with {args.model}: pass --drafter NAME (same tokenizer), "
                          "--drafter self:L, --eagle3 PATH, or --drafter none --methods retrieval,pld")
     drafter = load_drafter(spec, target, args.model, dtype=args.dtype, device=args.device)
+    if args.cost_only:
+        return run_cost_only(args, target, drafter)
+    if args.prompts is None:
+        args.prompts = "mix" if spec_bench_path() is not None else "humaneval#6,math"
     tune, held_out = split_prompts(load_prompts(args.prompts), args.n_prompts, args.validate)
     task = search.Task(target=target, drafter=drafter, prompts=tune, validation=held_out,
                        max_new_tokens=args.max_new_tokens, methods=methods, objectives=args.objectives,
@@ -125,14 +142,19 @@ def run(args) -> int:
     if outcome.best is not None:
         method, config = search.config_of(outcome.best)
         chosen = "best"
+        print("measuring the device's cost model ...", file=sys.stderr)
+        cost = measure_step_cost(target, drafter, config, compile=args.compile,
+                                 progress=lambda msg: print("  " + msg, file=sys.stderr))
+        adaptive = dataclasses.replace(config, cost=cost)
         if held_out:
             default_method, default_config = ("graft" if "graft" in methods else methods[0]), type(config)()
-            print(f"held-out check on {len(held_out)} prompts: best vs default ...", file=sys.stderr)
-            outcome.validation = search.validate(task, {"best": (method, config),
-                                                        "default": (default_method, default_config)})
-            v = outcome.validation["tokens_per_s"]
-            if v["default"] > v["best"] or outcome.validation["mismatches"]["best"]:
-                method, config, chosen = default_method, default_config, "default"
+            print(f"held-out check on {len(held_out)} prompts: best vs best adaptive vs default ...", file=sys.stderr)
+            candidates = {"best": (method, config), "best_adaptive": (method, adaptive),
+                          "default": (default_method, default_config)}
+            outcome.validation = search.validate(task, candidates)
+            v, bad = outcome.validation["tokens_per_s"], outcome.validation["mismatches"]
+            chosen = max((name for name in candidates if not bad[name]), key=lambda name: v[name], default="default")
+            method, config = candidates[chosen]
         b = outcome.best
         measured = {"chosen": chosen, "trial": b.number, "tokens_per_s": b.values[0],
                     "speedup_vs_ar": b.user_attrs["speedup_vs_ar"], "mat": b.user_attrs["mat"],
@@ -150,8 +172,45 @@ def run(args) -> int:
         if chosen == "default":
             print("note: the tuned config did not beat the default on the held-out prompts; the profile keeps "
                   "the default config", file=sys.stderr)
+        elif chosen == "best" and held_out:
+            print("note: choosing depth and budget per step was slower on the held-out prompts than the tuned "
+                  "fixed config; the profile keeps the fixed config (graft-calibrate --cost-only adds the "
+                  "cost model anyway)", file=sys.stderr)
     print(report.summary(outcome, profile_path, png))
     return 0 if outcome.best is not None else 1
+
+
+def run_cost_only(args, target, drafter) -> int:
+    """Measure the cost model into this pair's profile (its config kept, else the default)."""
+    from ..calibration.profiles import find_profile, profile_key, write_profile
+    from ..cost import measure_step_cost
+
+    directory = Path(args.profile_dir) if args.profile_dir else None
+    profile = find_profile(target, drafter, directory)
+    method, config, measured = ((profile.method, profile.config, profile.measured) if profile is not None
+                                else ("graft" if drafter is not None else "retrieval", GraftConfig(), {}))
+    print(f"measuring the cost model of {target.name} + {drafter.name if drafter else 'no drafter'} "
+          f"up to {config.budget} tokens ...", file=sys.stderr)
+    cost = measure_step_cost(target, drafter, config, compile=args.compile,
+                             progress=lambda msg: print("  " + msg, file=sys.stderr))
+    measured = {**measured, "cost_measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds")}
+    path = write_profile(profile_key(target, drafter), method, dataclasses.replace(config, cost=cost), measured,
+                         directory)
+    print(cost_table(cost))
+    print(f"\nprofile: {path} (decode now chooses depth and budget per step for {method})")
+    return 0
+
+
+def cost_table(cost) -> str:
+    """The cost model as a markdown table: ms per forward of n tokens, target and drafter."""
+    n = len(cost.verify_ms)
+    lines = ["| tokens | target forward (ms) | drafter forward (ms) |", "|---|---|---|"]
+    for i in range(n):
+        d = f"{cost.draft_ms[i]:.1f}" if i < len(cost.draft_ms) else "n.a."
+        lines.append(f"| {i + 1} | {cost.verify_ms[i]:.1f} | {d} |")
+    lines.append(f"\nthe rest of a step: {cost.step_ms:.1f} ms; measured after {cost.context} cached tokens")
+    return "\n".join(lines)
 
 
 def split_prompts(prompts: list[Prompt], n_tune: int, n_validate: int) -> tuple[list[Prompt], list[Prompt]]:

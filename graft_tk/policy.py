@@ -1,0 +1,87 @@
+"""Drafting depth and verification budget chosen per step by expected gain.
+
+A decode wants the most tokens per millisecond, R = E[tokens per step] / E[ms per step].
+Dinkelbach's rule turns that ratio into per-step decisions: with R the rate reached so far,
+something is worth doing when the tokens it is expected to add exceed R times the milliseconds
+it costs; re-estimating R from the steps taken converges to the best ratio. With the device's
+cost model (``graft_tk.cost.StepCost``) and the acceptance estimates (``graft_tk.acceptance``):
+
+* depth: the next drafter forward (``draft_ms`` of its frontier) runs only if the likeliest node
+  of the frontier could pay for it and for its own place in the verify on its own:
+  P(accepted | its score) >= R * (draft_ms + the mean verify cost of one more node; 0 when every
+  tree is verified at the fixed budget, whose size costs the same whatever fills it). Through
+  the estimates' score -> acceptance map this is a score threshold, the step's log tau (what
+  ``draft_expand``'s stop flag compares with). The configured tau stays a lower bound on it and
+  max_depth an upper bound on the depths.
+* budget: the step verifies the n nodes (1 <= n <= N) that maximise
+      (sum of the n - 1 likeliest candidates' P(accepted))  -  R * verify_ms[n]
+  since the expected number of accepted nodes of a tree is the sum of its nodes' P(on the
+  accepted path). Candidates that two sources propose twice are counted twice (a slight
+  overestimate). Where a verify is nearly flat in n (a GPU) this is the full budget; where it
+  is steep (this AVX2 CPU, quantized weights) it shrinks, down to n = 1: a plain decoding step.
+
+R is counted in the cost model's milliseconds of the steps taken, not the clock, so the choices
+are reproducible. It starts at plain decoding's rate (one token per one-token verify plus a
+step) and its counts decay by ``RATE_DECAY`` per step, so a change of workload is followed
+within a few dozen steps. Candidate selection still happens before the target's forward, so the
+output stays exactly that of plain decoding (and sampling stays exact).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .backend import HOST_READS
+from .cost import StepCost
+
+RATE_DECAY = 0.95
+PRIOR_STEPS = 4.0   # plain decoding's rate weighs this many steps at first
+
+
+class StepPolicy:
+    """Depth threshold and budget per step (see the module docstring); lives as long as its engine."""
+
+    def __init__(self, cost: StepCost, budget: int, top_k: int, device: torch.device | str,
+                 fixed_budget: bool = False):
+        self.cost, self.top_k = cost, top_k
+        self.verify_ms = torch.tensor(cost.verify_ms[:budget], device=device)
+        # what one more verified node costs, on average over the budget (nothing at a fixed size)
+        spread = cost.verify_ms[budget - 1] - cost.verify_ms[0]
+        self.node_ms = 0.0 if fixed_budget or budget == 1 else spread / (budget - 1)
+        self.tokens, self.ms = PRIOR_STEPS, PRIOR_STEPS * (cost.verify_ms[0] + cost.step_ms)
+
+    @property
+    def rate(self) -> float:
+        """R: committed tokens per millisecond of the steps so far (decayed)."""
+        return self.tokens / self.ms
+
+    def depth_log_tau(self, draft_rates: list[float], edges: tuple[float, ...], log_tau_bound: float) -> float:
+        """The step's drafting threshold: the lowest score whose estimated acceptance pays for a
+        drafter forward of K nodes and a verified node (``draft_rates`` [B], non-decreasing, per
+        bucket of ``edges``; bucket b holds scores in (edges[b - 1], edges[b]]); +inf when no score does."""
+        if not self.cost.draft_ms:
+            return log_tau_bound
+        p_min = self.rate * (self.cost.draft(self.top_k) + self.node_ms)
+        for b, r in enumerate(draft_rates):
+            if r >= p_min:
+                return max(log_tau_bound, edges[b - 1] if b else -math.inf)
+        return math.inf
+
+    def budget(self, values: Tensor) -> int:
+        """Nodes to verify this step, from every candidate's log P(accepted) ``values`` [C] (-inf:
+        not a candidate). One host read."""
+        n_max = self.verify_ms.shape[0]
+        p = values.float().exp().sort(descending=True).values[:n_max - 1]
+        p = F.pad(p, (0, n_max - 1 - p.shape[0]))
+        gain = torch.cat([p.new_zeros(1), p.cumsum(0)])                 # [n_max]: n = 1 .. n_max nodes
+        return HOST_READS.read((gain - self.rate * self.verify_ms).argmax()) + 1
+
+    def observe(self, committed: int, verified: int, draft_widths: tuple[int, ...]) -> None:
+        """Count a step: tokens committed, nodes verified, the drafter forwards' widths."""
+        c = self.cost
+        ms = c.step_ms + c.verify_ms[min(verified, len(c.verify_ms)) - 1] + sum(c.draft(w) for w in draft_widths)
+        self.tokens = RATE_DECAY * self.tokens + committed
+        self.ms = RATE_DECAY * self.ms + ms

@@ -1,0 +1,130 @@
+"""Drafting that calibrates itself: the cost model, the per-step depth and budget, and that an
+adaptive engine stays lossless while its choices change step by step."""
+import math
+
+import pytest
+import torch
+
+import graft_tk
+from graft_tk.acceptance import SCORE_EDGES
+from graft_tk.calibration.profiles import read_profile, write_profile, profile_key
+from graft_tk.config import PRUNES, GraftConfig
+from graft_tk.cost import StepCost, interpolate, measure_step_cost
+from graft_tk.decode import encode_prompt
+from graft_tk.engine import Engine
+from graft_tk.errors import CorruptFileError, InputError
+from graft_tk.policy import StepPolicy
+
+from .conftest import real_prompts
+
+# A steep verify (10 ms + 2 ms per extra node) and a drafter forward of 0.25 ms per token: on real
+# prompts the chosen budget and depth then change from step to step.
+STEEP = StepCost(verify_ms=tuple(10.0 + 2 * (n - 1) for n in range(1, 17)),
+                 draft_ms=tuple(0.25 * w for w in range(1, 17)), step_ms=1.0)
+
+
+@pytest.fixture(scope="module")
+def self_drafter():
+    return graft_tk.load_model("smollm2-135m", dtype="fp32", num_layers=10, progress=False)
+
+
+# --------------------------------------------------------------------------- cost model
+def test_interpolate_is_linear_between_points_flat_after_and_never_decreasing():
+    assert interpolate({1: 10.0, 3: 14.0}, 4) == (10.0, 12.0, 14.0, 14.0)
+    assert interpolate({1: 10.0, 2: 8.0, 4: 20.0}, 4) == (10.0, 10.0, 14.0, 20.0)   # noise dip removed
+
+
+def test_step_cost_checks_its_curves_and_the_budget_it_covers():
+    with pytest.raises(InputError, match="verify_ms must be positive"):
+        StepCost(verify_ms=(1.0, -2.0), draft_ms=(), step_ms=0.0)
+    with pytest.raises(InputError, match="empty"):
+        StepCost(verify_ms=(), draft_ms=(), step_ms=0.0)
+    with pytest.raises(InputError, match="fewer than budget 16"):
+        GraftConfig(cost=StepCost(verify_ms=(1.0, 2.0), draft_ms=(), step_ms=0.0))
+    assert GraftConfig(budget=2, cost={"verify_ms": [1, 2], "draft_ms": [], "step_ms": 0.5}).cost == StepCost(
+        verify_ms=(1.0, 2.0), draft_ms=(), step_ms=0.5)
+    assert STEEP.draft(20) == pytest.approx(4.0 * 20 / 16)     # past the curve: scaled by width
+
+
+# --------------------------------------------------------------------------- decisions
+def test_budget_maximises_expected_tokens_minus_rate_times_verify_cost():
+    cost = StepCost(verify_ms=(10.0, 12.0, 20.0, 40.0), draft_ms=(), step_ms=0.0)
+    policy = StepPolicy(cost, budget=4, top_k=1, device="cpu")
+    assert policy.rate == pytest.approx(0.1)                # plain decoding: 1 token per 10 ms
+    values = torch.tensor([0.9, 0.5, 0.3, 0.0]).log()      # the last: log 0 = -inf, no candidate
+    # gain - 0.1 * ms for n = 1..4: 0 - 1, 0.9 - 1.2, 1.4 - 2.0, 1.7 - 4.0  ->  n = 2
+    assert policy.budget(values) == 2
+    flat = StepPolicy(StepCost(verify_ms=(10.0,) * 4, draft_ms=(), step_ms=0.0), 4, 1, "cpu")
+    assert flat.budget(values) == 4                          # a flat verify takes every candidate
+    assert flat.budget(torch.full((3,), -math.inf)) == 1    # nothing to verify: a plain decoding step
+
+
+def test_depth_threshold_is_the_lowest_score_whose_acceptance_pays_for_a_forward():
+    cost = StepCost(verify_ms=(10.0,), draft_ms=(1.0, 2.0, 3.0, 4.0), step_ms=0.0)
+    policy = StepPolicy(cost, budget=1, top_k=4, device="cpu")         # R = 0.1, a K-wide forward 4 ms
+    rates = [0.05 * b + 0.001 for b in range(len(SCORE_EDGES) + 1)]     # p_min = 0.4: bucket 8 first pays
+    assert policy.depth_log_tau(rates, SCORE_EDGES, -math.inf) == SCORE_EDGES[7]
+    assert policy.depth_log_tau(rates, SCORE_EDGES, math.log(0.9)) == math.log(0.9)   # tau stays a bound
+    assert policy.depth_log_tau([0.1] * len(rates), SCORE_EDGES, -math.inf) == math.inf
+    policy.observe(committed=5, verified=1, draft_widths=(4,))         # a good step raises R ...
+    assert policy.rate == pytest.approx((0.95 * 4 + 5) / (0.95 * 40 + 10 + 4))
+    assert policy.depth_log_tau(rates, SCORE_EDGES, -math.inf) > SCORE_EDGES[7]   # ... and the bar
+
+
+# --------------------------------------------------------------------------- lossless while adapting
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", real_prompts(1, 0)[:1], ids=lambda p: getattr(p, "id", "x"))
+def test_adaptive_methods_equal_ar_while_depth_and_budget_change(smollm2, self_drafter, prompt):
+    ids = encode_prompt(smollm2, prompt.text, chat=True)
+    ref = graft_tk.decode(smollm2, ids, max_new_tokens=40)
+    for method in sorted(PRUNES):
+        engine = Engine(smollm2, self_drafter, GraftConfig(cost=STEEP, tau=0.01))
+        got = graft_tk.decode(smollm2, ids, drafter=self_drafter, method=method, engine=engine, max_new_tokens=40)
+        assert got.tokens == ref.tokens, method
+        per_step = got.stats["per_step"]
+        assert len(set(per_step["nodes"])) > 1 and len(set(per_step["drafter_forwards"])) > 1, (method, per_step)
+        assert max(per_step["nodes"]) <= 16 and max(per_step["drafter_forwards"]) <= GraftConfig().max_depth
+        # one more host read per step than a fixed budget: the chosen budget
+        reads, forwards = got.stats["host_syncs_per_step"], got.stats["drafter_forwards_per_step"]
+        assert 3 + forwards - 1 - 1e-9 <= reads <= 3 + forwards + 1e-9, method
+
+
+def test_static_shapes_keep_the_budget_and_adapt_the_depth(smollm2, self_drafter):
+    ids = encode_prompt(smollm2, "Count from one to twenty: one, two, three,", chat=False)
+    ref = graft_tk.decode(smollm2, ids, max_new_tokens=12)
+    engine = Engine(smollm2, self_drafter, GraftConfig(cost=STEEP, tau=0.01), static_shapes=True)
+    got = graft_tk.decode(smollm2, ids, drafter=self_drafter, method="graft", engine=engine, max_new_tokens=12)
+    assert got.tokens == ref.tokens
+    assert set(got.stats["per_step"]["nodes"]) == {16}
+    fixed = graft_tk.decode(smollm2, ids, drafter=self_drafter, method="graft", max_new_tokens=12,
+                            config=GraftConfig(tau=0.01))
+    assert got.stats["drafter_forwards_per_step"] < fixed.stats["drafter_forwards_per_step"]
+
+
+def test_stats_compare_estimated_and_observed_acceptance_per_source(smollm2, self_drafter):
+    r = graft_tk.decode(smollm2, "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", chat=False,
+                        drafter=self_drafter, method="graft+pld", max_new_tokens=24)
+    expected, nodes = r.stats["expected_accepted_by_source"], r.stats["nodes_by_source"]
+    assert set(expected) == set(nodes)
+    # each source's expectation is a sum of probabilities over its verified nodes
+    assert all(0 < expected[s] <= nodes[s] for s in expected)
+
+
+# --------------------------------------------------------------------------- measured and stored
+@pytest.mark.slow
+def test_cost_is_measured_stored_in_the_profile_and_makes_decode_adaptive(smollm2, self_drafter, tmp_path,
+                                                                        monkeypatch):
+    config = GraftConfig(budget=4)
+    cost = measure_step_cost(smollm2, self_drafter, config, repeats=1)
+    assert len(cost.verify_ms) == 4 and len(cost.draft_ms) == 4 and cost.step_ms > 0
+    assert list(cost.verify_ms) == sorted(cost.verify_ms)
+    path = write_profile(profile_key(smollm2, self_drafter), "graft", GraftConfig(budget=4, cost=cost), {},
+                         tmp_path)
+    assert read_profile(path).config.cost == cost
+    monkeypatch.setenv("GRAFT_TK_PROFILE_DIR", str(tmp_path))
+    r = graft_tk.decode(smollm2, "List three fruits.", drafter=self_drafter, method="graft", max_new_tokens=8)
+    assert r.stats["config"]["cost"]["verify_ms"] == cost.verify_ms
+
+    path.write_text(path.read_text().replace('"step_ms"', '"step_seconds"'))
+    with pytest.raises(CorruptFileError, match="invalid contents"):
+        read_profile(path)
