@@ -24,7 +24,7 @@ from .ops import ops_for
 from .adjacency import new_adjacency, template_from_level_sizes, warm_adjacency
 from .policy import StepPolicy
 from .sampling import next_token
-from .tree import PROMPT_LOOKUP, RETRIEVAL, ROOT, SOURCE_NAMES
+from .tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT, SOURCE_NAMES
 
 ATTENTION_KERNEL = "_tree_attention_kernel"   # launched inside model forwards: not a step op
 
@@ -131,12 +131,13 @@ class Engine:
         done = first in eos or max_new_tokens <= 1
         # The score -> acceptance map the depth threshold reads (refreshed by each step's host read).
         draft_rates = HOST_READS.read(estimates.draft_rates()) if policy is not None else None
+        drafter_ran = False
 
         while not done:
             launches_before, reads_before = LAUNCHES.snapshot(), HOST_READS.count
             # 1-2. Draft with calibrated pruning: the drafter's candidate pool (empty without a drafter).
             t = stats.clock()
-            if drafter is not None:
+            if drafter is not None and (policy is None or policy.should_draft()):
                 step_tau = log_tau if policy is None else policy.depth_log_tau(draft_rates, SCORE_EDGES, log_tau)
                 pool = drafter.draft(context, length, cfg, step_tau, ops)
             else:
@@ -203,7 +204,9 @@ class Engine:
                     break
             stats.record_step(path_source, path_depth, nodes_by_source, len(new), pool.forwards, tree.n)
             if policy is not None:   # a request's first drafter forward is its prompt's prefill: not a step cost
-                policy.observe(len(new), tree.n, pool.widths[1:] if stats.steps == 1 else pool.widths)
+                policy.observe(len(new), tree.n, pool.widths if drafter_ran else pool.widths[1:],
+                               drafted=pool.forwards > 0, drafted_accepted=path_source[1:].count(DRAFT))
+            drafter_ran = drafter_ran or pool.forwards > 0
             if self.acceptance_log is not None:
                 on_path = set(path_list)
                 source, depth, scores = HOST_READS.read(torch.stack([tree.source.float(), tree.depth.float(),

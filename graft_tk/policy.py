@@ -13,6 +13,12 @@ cost model (``graft_tk.cost.StepCost``) and the acceptance estimates (``graft_tk
   the estimates' score -> acceptance map this is a score threshold, the step's log tau (what
   ``draft_expand``'s stop flag compares with). The configured tau stays a lower bound on it and
   max_depth an upper bound on the depths.
+* drafting at all: a step runs the drafter (at least one forward, ``draft_ms`` of the tokens it
+  has not seen) only while the drafted nodes accepted per drafting step (decayed, with an
+  optimistic prior) pay for that forward, >= R * draft_ms[1]; otherwise the step verifies
+  retrieval and prompt-lookup candidates alone, and every ``EXPLORE_EVERY``-th step drafts anyway
+  to notice when the drafter becomes worth it again (a skipped drafter catches up on the tokens
+  it missed in its next forward).
 * budget: the step verifies the n nodes (1 <= n <= N) that maximise
       (sum of the n - 1 likeliest candidates' P(accepted))  -  R * verify_ms[n]
   since the expected number of accepted nodes of a tree is the sum of its nodes' P(on the
@@ -38,7 +44,8 @@ from .backend import HOST_READS
 from .cost import StepCost
 
 RATE_DECAY = 0.95
-PRIOR_STEPS = 4.0   # plain decoding's rate weighs this many steps at first
+PRIOR_STEPS = 4.0   # plain decoding's rate, and one accepted drafted node per step, weigh this many steps at first
+EXPLORE_EVERY = 8   # draft at least once in this many steps
 
 
 class StepPolicy:
@@ -52,11 +59,20 @@ class StepPolicy:
         spread = cost.verify_ms[budget - 1] - cost.verify_ms[0]
         self.node_ms = 0.0 if fixed_budget or budget == 1 else spread / (budget - 1)
         self.tokens, self.ms = PRIOR_STEPS, PRIOR_STEPS * (cost.verify_ms[0] + cost.step_ms)
+        self.drafted_accepted, self.drafting_steps = PRIOR_STEPS, PRIOR_STEPS
+        self.steps_without_drafting = 0
 
     @property
     def rate(self) -> float:
         """R: committed tokens per millisecond of the steps so far (decayed)."""
         return self.tokens / self.ms
+
+    def should_draft(self) -> bool:
+        """Run the drafter this step? (see the module docstring)"""
+        if not self.cost.draft_ms:
+            return True
+        gain = self.drafted_accepted / self.drafting_steps
+        return (gain >= self.rate * self.cost.draft(1)) or self.steps_without_drafting + 1 >= EXPLORE_EVERY
 
     def depth_log_tau(self, draft_rates: list[float], edges: tuple[float, ...], log_tau_bound: float) -> float:
         """The step's drafting threshold: the lowest score whose estimated acceptance pays for a
@@ -79,9 +95,15 @@ class StepPolicy:
         gain = torch.cat([p.new_zeros(1), p.cumsum(0)])                 # [n_max]: n = 1 .. n_max nodes
         return HOST_READS.read((gain - self.rate * self.verify_ms).argmax()) + 1
 
-    def observe(self, committed: int, verified: int, draft_widths: tuple[int, ...]) -> None:
-        """Count a step: tokens committed, nodes verified, the drafter forwards' widths."""
+    def observe(self, committed: int, verified: int, draft_widths: tuple[int, ...], drafted: bool,
+                drafted_accepted: int) -> None:
+        """Count a step: tokens committed, nodes verified, the widths of the drafter forwards it
+        is charged for, whether it drafted and how many drafted nodes were accepted."""
         c = self.cost
         ms = c.step_ms + c.verify_ms[min(verified, len(c.verify_ms)) - 1] + sum(c.draft(w) for w in draft_widths)
         self.tokens = RATE_DECAY * self.tokens + committed
         self.ms = RATE_DECAY * self.ms + ms
+        self.steps_without_drafting = 0 if drafted else self.steps_without_drafting + 1
+        if drafted:
+            self.drafted_accepted = RATE_DECAY * self.drafted_accepted + drafted_accepted
+            self.drafting_steps = RATE_DECAY * self.drafting_steps + 1

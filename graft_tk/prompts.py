@@ -105,7 +105,9 @@ def load_humaneval() -> list[Prompt]:
 def load_prompts(source: str, n_per_category: int | None = None) -> list[Prompt]:
     """Prompts from one source or a comma list of them, each optionally ``SOURCE#K`` (its first K
     prompts of each category). A source is ``humaneval`` | ``spec-bench`` | ``spec-bench:PATH`` |
-    ``math`` | ``mix`` (= ``humaneval#6,spec-bench#1,math``: 18 prompts) | ``PATH.jsonl``.
+    ``mt-bench`` (Spec-Bench's 80 MT-bench questions, 10 in each of its 8 categories in file order;
+    ``mt-bench#K`` takes the first K of each of the 8) | ``math`` | ``mix`` (=
+    ``humaneval#6,spec-bench#1,math``: 18 prompts) | ``PATH.jsonl``.
 
     n_per_category keeps the first n of each category (in file order) of every source, for quick runs.
     """
@@ -122,6 +124,9 @@ def load_prompts(source: str, n_per_category: int | None = None) -> list[Prompt]
         prompts = load_humaneval()
     elif source == "math":
         prompts = [Prompt(f"math/{i}", "math", text) for i, text in enumerate(MATH_PROMPTS)]
+    elif source == "mt-bench":
+        questions = [p for p in load_prompts("spec-bench") if p.category == "mt_bench"]
+        return [p for i, p in enumerate(questions) if i % 10 < (n_per_category or 10)]
     elif source == "spec-bench" or source.startswith("spec-bench:"):
         path = Path(source.split(":", 1)[1]) if ":" in source else spec_bench_path()
         if path is None:

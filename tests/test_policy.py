@@ -13,7 +13,7 @@ from graft_tk.cost import StepCost, interpolate, measure_step_cost
 from graft_tk.decode import encode_prompt
 from graft_tk.engine import Engine
 from graft_tk.errors import CorruptFileError, InputError
-from graft_tk.policy import StepPolicy
+from graft_tk.policy import EXPLORE_EVERY, StepPolicy
 
 from .conftest import real_prompts
 
@@ -66,9 +66,23 @@ def test_depth_threshold_is_the_lowest_score_whose_acceptance_pays_for_a_forward
     assert policy.depth_log_tau(rates, SCORE_EDGES, -math.inf) == SCORE_EDGES[7]
     assert policy.depth_log_tau(rates, SCORE_EDGES, math.log(0.9)) == math.log(0.9)   # tau stays a bound
     assert policy.depth_log_tau([0.1] * len(rates), SCORE_EDGES, -math.inf) == math.inf
-    policy.observe(committed=5, verified=1, draft_widths=(4,))         # a good step raises R ...
+    policy.observe(committed=5, verified=1, draft_widths=(4,), drafted=True, drafted_accepted=3)   # raises R ...
     assert policy.rate == pytest.approx((0.95 * 4 + 5) / (0.95 * 40 + 10 + 4))
     assert policy.depth_log_tau(rates, SCORE_EDGES, -math.inf) > SCORE_EDGES[7]   # ... and the bar
+
+
+def test_drafting_is_skipped_while_it_does_not_pay_and_retried_every_few_steps():
+    cost = StepCost(verify_ms=(10.0,), draft_ms=(8.0,), step_ms=0.0)
+    policy = StepPolicy(cost, budget=1, top_k=1, device="cpu")
+    assert policy.should_draft()                     # prior: one accepted drafted node per step >= 0.1 * 8
+    for _ in range(20):                              # the drafter's nodes are never accepted
+        policy.observe(committed=1, verified=1, draft_widths=(1,), drafted=True, drafted_accepted=0)
+    choices = []
+    for _ in range(2 * EXPLORE_EVERY):
+        choices.append(policy.should_draft())
+        policy.observe(committed=1, verified=1, draft_widths=(1,) if choices[-1] else (), drafted=choices[-1],
+                       drafted_accepted=0)
+    assert choices == ([False] * (EXPLORE_EVERY - 1) + [True]) * 2
 
 
 # --------------------------------------------------------------------------- lossless while adapting

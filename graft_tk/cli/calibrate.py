@@ -247,8 +247,12 @@ def show(args) -> int:
         print(f"  {path.name}\n    {prof.key.target} + {prof.key.drafter or 'no drafter'} | {prof.key.device} | "
               f"{prof.key.dtype} | graft_tk {prof.key.graft_tk}\n    {prof.method}: tau={c.tau:.3g} N={c.budget} "
               f"K={c.top_k} D={c.max_depth} k={c.retrieval_k} template={c.template}; "
-              f"{m.get('tokens_per_s', float('nan')):.2f} tok/s, {m.get('speedup_vs_ar', float('nan')):.2f}x ar "
-              f"(tuning prompts), calibrated {m.get('calibrated_at', '?')}")
+              + (f"{m['tokens_per_s']:.2f} tok/s, {m['speedup_vs_ar']:.2f}x ar (tuning prompts), calibrated "
+                 f"{m.get('calibrated_at', '?')}" if "tokens_per_s" in m else "config not searched"))
+        if c.cost is not None:
+            print(f"    adaptive: cost model of forwards of 1 .. {len(c.cost.verify_ms)} tokens "
+                  f"({c.cost.verify_ms[0]:.0f} .. {c.cost.verify_ms[-1]:.0f} ms target), measured "
+                  f"{m.get('cost_measured_at', m.get('calibrated_at', '?'))}")
     storage = args.storage or search.default_storage()
     try:
         studies = optuna.get_all_study_summaries(storage)
