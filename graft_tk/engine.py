@@ -238,7 +238,8 @@ def _candidate_values(pool: DraftPool, pool_values: torch.Tensor, log_tau: float
     """log P(accepted) of every node ``build_tree`` may choose from (-inf: not a candidate): the
     valid pool entries scoring >= log_tau, then the candidates that have a token."""
     valid = (torch.arange(pool.scores.shape[0], device=pool.scores.device) < pool.n) & (pool.scores >= log_tau)
-    return torch.cat([pool_values.masked_fill(~valid, -math.inf), cand_values.masked_fill(cand_tokens < 0, -math.inf)])
+    return torch.cat([pool_values.masked_fill(~valid, -math.inf),
+                      cand_values.masked_fill(cand_tokens < 0, -math.inf)])
 
 
 def _forward(net, hidden_layers, tokens, positions, start, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -42,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(config_mod.METHODS),
                    help="comma list of methods; ar always runs as the baseline (default: %(default)s)")
     p.add_argument("--prompts", default="humaneval",
-                   help="humaneval | spec-bench | spec-bench:PATH | mt-bench | math | mix | PATH.jsonl, or a comma list, each "
-                        "optionally SOURCE#K (its first K prompts per category); mix = humaneval#6,spec-bench#1,math "
-                        "(default: %(default)s)")
+                   help="humaneval | spec-bench | spec-bench:PATH | mt-bench | math | mix | PATH.jsonl, or a "
+                        "comma list, each optionally SOURCE#K (its first K prompts per category; mt-bench#K: K of "
+                        "each MT-bench category); mix = humaneval#6,spec-bench#1,math (default: %(default)s)")
     p.add_argument("--n-per-category", type=int, default=None,
                    help="keep the first K prompts of each category (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=64)
