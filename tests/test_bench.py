@@ -112,9 +112,10 @@ def _row(prompt, category, method, tok_s, exact, **stats):
 def test_summary_pools_counts_and_marks_mismatches(tmp_path):
     spec = dict(steps=10, mat=2.0, drafter_forwards_per_step=3.0, accepted_by_source={"draft": 6, "retrieval": 4},
                 time_split={"draft": 0.2, "retrieve": 0.1, "verify": 0.5, "commit": 0.1}, prefill_seconds=0.1)
-    rows = [_row("p1", "a", "ar", 10.0, True, steps=8, mat=1.0), _row("p2", "b", "ar", 20.0, True, steps=8, mat=1.0),
-            _row("p1", "a", "graft", 30.0, True, **spec),
-            _row("p2", "b", "graft", 30.0, False, **{**spec, "steps": 30}),
+    rows = [_row("p1", "a", "ar", 10.0, True, steps=8, mat=1.0, tokens=11, prefill_seconds=0.5),
+            _row("p2", "b", "ar", 20.0, True, steps=8, mat=1.0, tokens=21, prefill_seconds=0.5),
+            _row("p1", "a", "graft", 30.0, True, tokens=31, **spec),
+            _row("p2", "b", "graft", 30.0, False, **{**spec, "steps": 30, "tokens": 31}),
             _row("p1", "a", "hf_greedy", 5.0, True), _row("p2", "b", "hf_greedy", 10.0, True)]
     summary = bench.summarize(rows)
     g = summary["all"]["graft"]
@@ -123,7 +124,9 @@ def test_summary_pools_counts_and_marks_mismatches(tmp_path):
     assert g["exact"] == {"compared": 2, "mismatches": 1} and summary["b"]["graft"]["exact"]["mismatches"] == 1
     assert summary["all"]["hf_greedy"]["speedup"] == 0.5 and summary["all"]["hf_greedy"]["mat"] is None
     table = bench.markdown_table(summary)
-    assert "| all | graft | 2 | 30.00 | 2.25x | 2.00 |" in table and "1/2 **1 MISMATCH**" in table
+    # after the prefill: 30 tokens in 0.9 s against ar's 10 in 0.5 s and 20 in 0.5 s: 1.67x and 0.83x
+    assert g["decode_speedup"] == pytest.approx(1.25) and summary["all"]["hf_greedy"]["decode_speedup"] is None
+    assert "| all | graft | 2 | 30.00 | 2.25x | 1.25x | 2.00 |" in table and "1/2 **1 MISMATCH**" in table
     assert "10/20/10/50/10" in table                             # time split, percent of the run
     assert "n.a. (sampling)" in bench.markdown_table(bench.summarize(
         [{**r, "exact": None} for r in rows]), temperature=0.7)
