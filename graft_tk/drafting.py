@@ -6,8 +6,9 @@ candidate pool) and ``commit`` (after acceptance). Two implementations share the
 tree mask over scratch cache slots, never one per node:
 
 * ``ModelDrafter``: a small model with the target's tokenizer. It keeps its own KV cache; its
-  first ``kv_len`` slots hold committed tokens, the committed tokens it has not seen yet (the root
-  last) run in the step's first forward, which also gives the root's next-token distribution.
+  first ``kv_len`` slots hold committed tokens (the prompt runs in ``start``, with the target's
+  prefill), the committed tokens it has not seen yet (the root last) run in the step's first
+  forward, which also gives the root's next-token distribution.
   After acceptance the KV of accepted draft nodes is moved into place, never recomputed.
 * ``Eagle3Drafter``: an EAGLE-3 head over the target's fused features (``target_layers``, which
   the engine requests in its prefill and verify forwards). Head entry j pairs the target features
@@ -70,8 +71,10 @@ class Drafter(Protocol):
     net: nn.Module                          # the drafter's network
     target_layers: tuple[int, ...] | None   # target features to request in prefill / verify (None: none)
 
-    def start(self, n_prompt: int, max_len: int, features: Tensor | None) -> None:
-        """A new request: the prompt's n tokens were prefilled (``features`` [n, F] when asked for)."""
+    def start(self, prompt: Tensor, max_len: int, features: Tensor | None, ops: Ops) -> None:
+        """A new request: the target prefilled ``prompt`` [n] (``features`` [n, F] when asked for);
+        the drafter runs its own pass over the prompt here, so that a step's first forward holds
+        only the tokens committed since."""
 
     def draft(self, context: Tensor, length: int, cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
         """The candidate pool under the root ``context[length - 1]`` (``context[:length]``: the
@@ -149,9 +152,12 @@ class ModelDrafter:
         self.step = StepForward(model.net, compile, dynamic=True)   # its forwards change width
         self.kv_len = 0          # committed tokens whose KV is in the drafter's cache
 
-    def start(self, n_prompt: int, max_len: int, features: Tensor | None) -> None:
+    def start(self, prompt: Tensor, max_len: int, features: Tensor | None, ops: Ops) -> None:
         self.net.setup_cache(max_len)
-        self.kv_len = 0
+        n = prompt.shape[0]
+        self.net(prompt[None], torch.arange(n, device=prompt.device), 0, last_only=True,
+                 attention=ops.tree_attention)     # eager, like the target's prefill
+        self.kv_len = n
 
     def draft(self, context: Tensor, length: int, cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
         # Run the committed tokens not yet in the cache (the root last), then expand from the root.
@@ -191,9 +197,15 @@ class Eagle3Drafter:
         self.kv_len = 0                  # entries in the head's cache
         self.features: Tensor | None = None   # [P, F] target features of committed[kv_len:kv_len + P]
 
-    def start(self, n_prompt: int, max_len: int, features: Tensor | None) -> None:
+    def start(self, prompt: Tensor, max_len: int, features: Tensor | None, ops: Ops) -> None:
+        # Entries 0 .. n - 2 pair the prompt's features with its next tokens; the last one waits
+        # for the root (the token after the prompt), the first step's forward.
         self.head.setup_cache(max_len)
-        self.kv_len, self.features = 0, features
+        n = prompt.shape[0]
+        if n > 1:
+            self.head(prompt[None, 1:], torch.arange(n - 1, device=prompt.device), 0, last_only=True,
+                      features=features[None, :n - 1], attention=ops.tree_attention)
+        self.kv_len, self.features = n - 1, features[n - 1:]
 
     def draft(self, context: Tensor, length: int, cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
         head, feats = self.head, self.features

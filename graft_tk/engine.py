@@ -113,7 +113,7 @@ class Engine:
         if warm:
             warm_adjacency(self.adjacency, prompt[0], logits)
         if drafter is not None:
-            drafter.start(n, n + max_new_tokens + cfg.top_k * cfg.max_depth + 1, features)
+            drafter.start(prompt[0], n + max_new_tokens + cfg.top_k * cfg.max_depth + 1, features, ops)
         root = next_token(logits[-1:], temperature, top_p, generator)[0]   # on the device, as each step's bonus
         first = HOST_READS.read(root)
         out = [first]
@@ -131,7 +131,6 @@ class Engine:
         done = first in eos or max_new_tokens <= 1
         # The score -> acceptance map the depth threshold reads (refreshed by each step's host read).
         draft_rates = HOST_READS.read(estimates.draft_rates()) if policy is not None else None
-        drafter_ran = False
 
         while not done:
             launches_before, reads_before = LAUNCHES.snapshot(), HOST_READS.count
@@ -203,10 +202,9 @@ class Engine:
                     new, done = new[:i + 1], True
                     break
             stats.record_step(path_source, path_depth, nodes_by_source, len(new), pool.forwards, tree.n)
-            if policy is not None:   # a request's first drafter forward is its prompt's prefill: not a step cost
-                policy.observe(len(new), tree.n, pool.widths if drafter_ran else pool.widths[1:],
-                               drafted=pool.forwards > 0, drafted_accepted=path_source[1:].count(DRAFT))
-            drafter_ran = drafter_ran or pool.forwards > 0
+            if policy is not None:
+                policy.observe(len(new), tree.n, pool.widths, drafted=pool.forwards > 0,
+                               drafted_accepted=path_source[1:].count(DRAFT))
             if self.acceptance_log is not None:
                 on_path = set(path_list)
                 source, depth, scores = HOST_READS.read(torch.stack([tree.source.float(), tree.depth.float(),

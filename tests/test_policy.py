@@ -106,7 +106,8 @@ def test_adaptive_methods_equal_ar_while_depth_and_budget_change(smollm2, self_d
 def test_static_shapes_keep_the_budget_and_adapt_the_depth(smollm2, self_drafter):
     ids = encode_prompt(smollm2, "Count from one to twenty: one, two, three,", chat=False)
     ref = graft_tk.decode(smollm2, ids, max_new_tokens=12)
-    engine = Engine(smollm2, self_drafter, GraftConfig(cost=STEEP, tau=0.01), static_shapes=True)
+    dear_drafter = StepCost(verify_ms=STEEP.verify_ms, draft_ms=tuple(3.0 * w for w in range(1, 17)), step_ms=1.0)
+    engine = Engine(smollm2, self_drafter, GraftConfig(cost=dear_drafter, tau=0.01), static_shapes=True)
     got = graft_tk.decode(smollm2, ids, drafter=self_drafter, method="graft", engine=engine, max_new_tokens=12)
     assert got.tokens == ref.tokens
     assert set(got.stats["per_step"]["nodes"]) == {16}
