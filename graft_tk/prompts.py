@@ -106,7 +106,7 @@ def load_prompts(source: str, n_per_category: int | None = None) -> list[Prompt]
     """Prompts from one source or a comma list of them, each optionally ``SOURCE#K`` (its first K
     prompts of each category). A source is ``humaneval`` | ``spec-bench`` | ``spec-bench:PATH`` |
     ``mt-bench`` (Spec-Bench's 80 MT-bench questions, 10 in each of its 8 categories in file order;
-    ``mt-bench#K`` takes the first K of each of the 8) | ``math`` | ``mix`` (=
+    ``mt-bench#K`` takes K, round-robin over the 8 categories) | ``math`` | ``mix`` (=
     ``humaneval#6,spec-bench#1,math``: 18 prompts) | ``PATH.jsonl``.
 
     n_per_category keeps the first n of each category (in file order) of every source, for quick runs.
@@ -126,7 +126,8 @@ def load_prompts(source: str, n_per_category: int | None = None) -> list[Prompt]
         prompts = [Prompt(f"math/{i}", "math", text) for i, text in enumerate(MATH_PROMPTS)]
     elif source == "mt-bench":
         questions = [p for p in load_prompts("spec-bench") if p.category == "mt_bench"]
-        return [p for i, p in enumerate(questions) if i % 10 < (n_per_category or 10)]
+        by_turn = sorted(range(len(questions)), key=lambda i: (i % 10, i // 10))   # one per category in turn
+        return [questions[i] for i in by_turn[:n_per_category or len(questions)]]
     elif source == "spec-bench" or source.startswith("spec-bench:"):
         path = Path(source.split(":", 1)[1]) if ":" in source else spec_bench_path()
         if path is None:

@@ -1,5 +1,6 @@
 """graft-bench end to end on SmolLM2 (tiny runs: the numbers are not judged, the report is)."""
 import json
+import os
 
 import pytest
 
@@ -149,3 +150,13 @@ def test_compile_both_runs_every_method_eager_and_compiled(smollm2, monkeypatch)
     assert calls == [("ar", False), ("retrieval", False), ("ar", True), ("retrieval", True)]
     with pytest.raises(InputError, match="--compile"):
         bench.Plan(smollm2, None, GraftConfig(), ("ar",), prompts, 4, compile="yes")
+
+
+def test_prompt_sources_mix_and_mt_bench_round_robin():
+    from graft_tk.prompts import load_prompts, spec_bench_path
+    assert [p.category for p in load_prompts("math#2,humaneval#1")] == ["math", "math", "humaneval"]
+    if spec_bench_path() is None and os.environ.get("GRAFT_TK_REQUIRE_DATA") != "1":
+        pytest.skip("Spec-Bench's question.jsonl not found (GRAFT_TK_SPEC_BENCH)")
+    # MT-bench questions 81-160, 10 per category: #K takes them one category at a time
+    assert [p.id for p in load_prompts("mt-bench#9")] == ["81", "91", "101", "111", "121", "131", "141", "151", "82"]
+    assert len(load_prompts("mt-bench")) == 80 and {p.category for p in load_prompts("mt-bench")} == {"mt_bench"}

@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of methods; ar always runs as the baseline (default: %(default)s)")
     p.add_argument("--prompts", default="humaneval",
                    help="humaneval | spec-bench | spec-bench:PATH | mt-bench | math | mix | PATH.jsonl, or a "
-                        "comma list, each optionally SOURCE#K (its first K prompts per category; mt-bench#K: K of "
-                        "each MT-bench category); mix = humaneval#6,spec-bench#1,math (default: %(default)s)")
+                        "comma list, each optionally SOURCE#K (its first K prompts per category; mt-bench#K: K "
+                        "prompts round-robin over MT-bench's 8 categories); mix = humaneval#6,spec-bench#1,math (default: %(default)s)")
     p.add_argument("--n-per-category", type=int, default=None,
                    help="keep the first K prompts of each category (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=64)
