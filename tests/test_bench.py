@@ -43,8 +43,12 @@ def test_tiny_run_writes_json_table_and_png(smollm2, two_prompts, tmp_path, caps
     assert graft["mat"] >= 1.0 and graft["speedup"] > 0 and set(graft["time_split"]) == set(bench.PHASES)
     assert summary["all"]["ar"]["speedup"] == 1.0
     # the markdown table: header, separator, one row per (category, method)
-    table = [line for line in stdout.splitlines() if line.startswith("|")]
+    main_part, acceptance = stdout.split("acceptance estimates vs observed")
+    table = [line for line in main_part.splitlines() if line.startswith("|")]
     assert table[0].startswith("| category | method |") and len(table) == 2 + 3 * 2
+    # then the estimates' prediction against the accepted count, per source of graft's trees
+    rows = [line for line in acceptance.splitlines() if line.startswith("| graft |")]
+    assert {line.split("|")[2].strip() for line in rows} == set(summary["all"]["graft"]["expected_accepted_per_step"])
     assert any(line.startswith("| all | graft |") and "2/2" in line for line in table)
     assert png.read_bytes()[:8] == PNG_MAGIC
 
