@@ -60,9 +60,10 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
         acceptance (``graft_tk.acceptance``).
     drafter: a Model with the target's tokenizer (e.g. load_model(name, num_layers=L)), or an
         EAGLE-3 head for this target (``load_eagle3(path, target)``), drafting from the target's features.
-    config: GraftConfig (N, tau, K, D, retrieval k and template). Default: the profile that
-        graft-calibrate wrote for this (target, drafter, device, dtype) when there is a usable one,
-        else GraftConfig(). ``stats["config_source"]`` says which.
+    config: GraftConfig (N, tau, K, D, retrieval k and template; with ``cost``, the device's cost
+        model, the methods that prune choose drafting, depth and budget per step). Default: the
+        profile that graft-calibrate wrote for this (target, drafter, device, dtype) when there is
+        a usable one, else GraftConfig(). ``stats["config_source"]`` says which.
     engine: an Engine to reuse across calls, so the adjacency matrix stays warm.
     temperature: 0 = greedy; > 0 samples from softmax(logits / temperature) cut to ``top_p``.
     seed: makes sampling reproducible.
