@@ -13,13 +13,13 @@ call that compiles it (its seconds are printed to stderr).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 import torch
 
 import graft_tk
+from graft_tk import cost
 from graft_tk.compiled import StepForward
 
 
@@ -29,16 +29,12 @@ def forward_ms(model, q: int, prefix: int, repeats: int, compile: bool = False) 
     with torch.inference_mode():
         net.setup_cache(prefix + q)
         net.kv.normal_(0, 0.5)          # stands in for a prefill of the prefix: what is read costs the same
-        times = []
-        for _ in range(repeats + 1):                      # the first is a warm-up (and compiles)
-            t = time.perf_counter()
-            step(torch.randint(1000, (1, q), device=device), torch.arange(prefix, prefix + q, device=device), prefix)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-    if compile:
-        print(f"{model.name} q={q} prefix={prefix}: first call (compiles) {times[0]:.0f} s", file=sys.stderr)
-    return statistics.median(times[1:]) * 1000
+    t = time.perf_counter()
+    ms = cost.forward_ms(lambda tok, pos, start: step(tok, pos, start), device, q, prefix, repeats)
+    if compile:      # the untimed first call compiled the graph
+        print(f"{model.name} q={q} prefix={prefix}: compile + timed calls {time.perf_counter() - t:.0f} s",
+              file=sys.stderr)
+    return ms
 
 
 def main() -> None:
