@@ -95,6 +95,18 @@ class AcceptanceEstimates:
     def _ngram_row(self, ngram: int | Tensor) -> Tensor:
         return torch.as_tensor(ngram, device=self.device).clamp(1, self.pld_n.shape[0]) - 1
 
+    def node_probs(self, built: BuiltTree, cand_values: Tensor) -> Tensor:
+        """Estimated P(on the accepted path) of each node of a built tree [N] (root and padding 0):
+        drafted nodes by their score, grafted ones by their candidate's estimate — the highest
+        when several candidates (or a drafted node) land on the same node, so a token that two
+        sources propose counts once."""
+        N = built.tokens.shape[0]
+        est = torch.zeros(N + 1, device=cand_values.device)
+        node = built.cand_node.long()
+        est.scatter_reduce_(0, torch.where(node >= 0, node, N), cand_values.float().exp(), "amax")
+        drafted = self.draft_values(built.scores).exp().masked_fill(built.pool_index < 0, 0.0)
+        return torch.maximum(est[:N], drafted)
+
     # ----------------------------------------------------------------- online update
     def update(self, built: BuiltTree, path: Tensor, pld_span: tuple[int, int] | None, ngram: Tensor | None,
                retrieval_span: tuple[int, int] | None) -> None:

@@ -157,11 +157,14 @@ class Engine:
             cand_tokens = torch.cat(candidates) if candidates else torch.zeros(0, dtype=torch.long, device=device)
             cand_values = torch.cat(values) if values else torch.zeros(0, device=device)
             pool_values = estimates.draft_values(pool.scores)
-            budget = cfg.budget
-            if adaptive_budget:
-                budget = policy.budget(_candidate_values(pool, pool_values, log_tau, cand_tokens, cand_values))
             built = ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, root, log_tau,
-                                   cand_tokens, cand_parents, cand_source, budget, pool_values, cand_values)
+                                   cand_tokens, cand_parents, cand_source, cfg.budget, pool_values, cand_values)
+            if adaptive_budget:   # the best n of the tree built at N (each node once), then that tree
+                budget = policy.budget(estimates.node_probs(built, cand_values))
+                if budget < cfg.budget:
+                    built = ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, root,
+                                           log_tau, cand_tokens, cand_parents, cand_source, budget, pool_values,
+                                           cand_values)
             tree = built.as_tree() if self.static_shapes else built.to_tree()   # to_tree: a host read
             stats.add_time("retrieve", t)
             # 7. Verify the whole tree in one target forward with tree attention.
@@ -177,7 +180,7 @@ class Engine:
             uniforms = (torch.rand(tree.n, generator=generator, device=device) if temperature > 0 else None)
             path, n_path, bonus = ops.accept(tree, logits, self.adjacency if use_retrieval else None,
                                              temperature, top_p, uniforms)
-            stats.expect(built, estimates, pool_values, cand_values)   # before the update: a prediction
+            stats.expect(built, estimates.node_probs(built, cand_values))   # before the update: a prediction
             estimates.update(built, path, pld_span, ngram, retrieval_span)
             # The accepted nodes after the root, then the bonus, go into the context on the device
             # (entries past what the host commits below are overwritten by the next step).
@@ -231,15 +234,6 @@ class Engine:
         return out, stats.finish(n, len(out), time.perf_counter() - t0)
 
 
-def _candidate_values(pool: DraftPool, pool_values: torch.Tensor, log_tau: float, cand_tokens: torch.Tensor,
-                      cand_values: torch.Tensor) -> torch.Tensor:
-    """log P(accepted) of every node ``build_tree`` may choose from (-inf: not a candidate): the
-    valid pool entries scoring >= log_tau, then the candidates that have a token."""
-    valid = (torch.arange(pool.scores.shape[0], device=pool.scores.device) < pool.n) & (pool.scores >= log_tau)
-    return torch.cat([pool_values.masked_fill(~valid, -math.inf),
-                      cand_values.masked_fill(cand_tokens < 0, -math.inf)])
-
-
 def _forward(net, hidden_layers, tokens, positions, start, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A target forward of one sequence: (logits [T, V], features [T, F] at ``hidden_layers`` or None)."""
     if hidden_layers is None:
@@ -289,18 +283,11 @@ class _Stats:
                 self.seconds[phase] += start.elapsed_time(end) / 1000
             self.pending_events = []
 
-    def expect(self, built, estimates: AcceptanceEstimates, pool_values: torch.Tensor,
-               cand_values: torch.Tensor) -> None:
-        """Add the step's expected accepted nodes per source: each tree node's estimated P(on the
-        accepted path) (drafted: by its score; grafted: its candidate's, the highest when several
-        land on it), the estimates taken before the step's outcome is counted."""
-        N = built.tokens.shape[0]
-        est = torch.zeros(N + 1, device=cand_values.device)
-        node = built.cand_node.long()
-        est.scatter_reduce_(0, torch.where(node >= 0, node, N), cand_values.float().exp(), "amax")
-        drafted = estimates.draft_values(built.scores).exp().masked_fill(built.pool_index < 0, 0.0)
-        est = torch.maximum(est[:N], drafted)
-        self.expected += torch.bincount(built.source.long() + 1, weights=est, minlength=len(SOURCE_NAMES) + 1)[1:]
+    def expect(self, built, node_probs: torch.Tensor) -> None:
+        """Add the step's expected accepted nodes per source (``AcceptanceEstimates.node_probs``,
+        estimates taken before the step's outcome is counted)."""
+        self.expected += torch.bincount(built.source.long() + 1, weights=node_probs,
+                                        minlength=len(SOURCE_NAMES) + 1)[1:]
 
     def record_step(self, path_source: list[int], path_depth: list[int], nodes_by_source: list[int],
                     committed: int, drafter_forwards: int, verified: int) -> None:

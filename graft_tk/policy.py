@@ -22,8 +22,8 @@ cost model (``graft_tk.cost.StepCost``) and the acceptance estimates (``graft_tk
 * budget: the step verifies the n nodes (1 <= n <= N) that maximise
       (sum of the n - 1 likeliest candidates' P(accepted))  -  R * verify_ms[n]
   since the expected number of accepted nodes of a tree is the sum of its nodes' P(on the
-  accepted path). Candidates that two sources propose twice are counted twice (a slight
-  overestimate). Where a verify is nearly flat in n (a GPU) this is the full budget; where it
+  accepted path), over the nodes of the tree built at N (a token two sources propose counts
+  once); the tree is then rebuilt at n. Where a verify is nearly flat in n (a GPU) this is the full budget; where it
   is steep (this AVX2 CPU, quantized weights) it shrinks, down to n = 1: a plain decoding step.
 
 R is counted in the cost model's milliseconds of the steps taken, not the clock, so the choices
@@ -86,11 +86,11 @@ class StepPolicy:
                 return max(log_tau_bound, edges[b - 1] if b else -math.inf)
         return math.inf
 
-    def budget(self, values: Tensor) -> int:
-        """Nodes to verify this step, from every candidate's log P(accepted) ``values`` [C] (-inf:
-        not a candidate). One host read."""
+    def budget(self, probs: Tensor) -> int:
+        """Nodes to verify this step, from the estimated P(accepted) ``probs`` [C] of the nodes it
+        may choose from (0: none; the root is not among them). One host read."""
         n_max = self.verify_ms.shape[0]
-        p = values.float().exp().sort(descending=True).values[:n_max - 1]
+        p = probs.float().sort(descending=True).values[:n_max - 1]
         p = F.pad(p, (0, n_max - 1 - p.shape[0]))
         gain = torch.cat([p.new_zeros(1), p.cumsum(0)])                 # [n_max]: n = 1 .. n_max nodes
         return HOST_READS.read((gain - self.rate * self.verify_ms).argmax()) + 1

@@ -51,12 +51,12 @@ def test_budget_maximises_expected_tokens_minus_rate_times_verify_cost():
     cost = StepCost(verify_ms=(10.0, 12.0, 20.0, 40.0), draft_ms=(), step_ms=0.0)
     policy = StepPolicy(cost, budget=4, top_k=1, device="cpu")
     assert policy.rate == pytest.approx(0.1)                # plain decoding: 1 token per 10 ms
-    values = torch.tensor([0.9, 0.5, 0.3, 0.0]).log()      # the last: log 0 = -inf, no candidate
+    values = torch.tensor([0.9, 0.5, 0.3, 0.0])              # the last: no candidate
     # gain - 0.1 * ms for n = 1..4: 0 - 1, 0.9 - 1.2, 1.4 - 2.0, 1.7 - 4.0  ->  n = 2
     assert policy.budget(values) == 2
     flat = StepPolicy(StepCost(verify_ms=(10.0,) * 4, draft_ms=(), step_ms=0.0), 4, 1, "cpu")
     assert flat.budget(values) == 4                          # a flat verify takes every candidate
-    assert flat.budget(torch.full((3,), -math.inf)) == 1    # nothing to verify: a plain decoding step
+    assert flat.budget(torch.zeros(3)) == 1                  # nothing to verify: a plain decoding step
 
 
 def test_depth_threshold_is_the_lowest_score_whose_acceptance_pays_for_a_forward():
