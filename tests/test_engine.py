@@ -216,12 +216,12 @@ SAMPLING_CONFIG = GraftConfig(budget=6, top_k=2, max_depth=2, tau=0.2, retrieval
 
 
 def sample_joint(method: str, target: Model, drafter: Model, n_samples: int, temperature: float, top_p: float,
-                 prompt=(1, 3, 0, 1), n_tokens: int = 5, static_shapes: bool = False) -> tuple[torch.Tensor, float]:
+                 prompt=(1, 3, 0, 1), n_tokens: int = 5, static_shapes: bool = False,
+                 config: GraftConfig = SAMPLING_CONFIG) -> tuple[torch.Tensor, float]:
     """(counts of each n-token sequence, mean speculative steps) over ``n_samples`` seeded decodes
     sharing one engine, so M and the acceptance estimates change between samples as in serving."""
     V = target.config.vocab_size
-    engine = Engine(target, drafter if method in USES_DRAFTER else None, SAMPLING_CONFIG,
-                    static_shapes=static_shapes)
+    engine = Engine(target, drafter if method in USES_DRAFTER else None, config, static_shapes=static_shapes)
     counts, steps = torch.zeros(V ** n_tokens), 0
     for i in range(n_samples):
         r = graft_tk.decode(target, list(prompt), method=method, engine=engine, max_new_tokens=n_tokens,
@@ -254,6 +254,18 @@ def test_sampling_with_static_shapes_matches_the_exact_joint_distribution(tiny_p
     """Verifying at the fixed budget (padding rows in the tree) samples the same distribution."""
     target, drafter, exact = tiny_pair
     counts, steps = sample_joint("graft+pld", target, drafter, N_SAMPLES, 0.7, 0.8, static_shapes=True)
+    assert steps >= 2
+    stat, df = chi2(counts, exact)
+    assert stat < chi2_critical(df), stat
+
+
+def test_adaptive_sampling_matches_the_exact_joint_distribution(tiny_pair):
+    """Drafting, depth and budget chosen per step (a steep cost model) still sample exactly."""
+    from graft_tk.cost import StepCost
+    target, drafter, exact = tiny_pair
+    cost = StepCost(verify_ms=(10.0, 12.0, 15.0, 19.0, 24.0, 30.0), draft_ms=(0.5, 1.0), step_ms=1.0)
+    counts, steps = sample_joint("graft+pld", target, drafter, N_SAMPLES, 0.7, 0.8,
+                                 config=dataclasses.replace(SAMPLING_CONFIG, cost=cost))
     assert steps >= 2
     stat, df = chi2(counts, exact)
     assert stat < chi2_critical(df), stat
