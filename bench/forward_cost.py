@@ -30,7 +30,7 @@ def forward_ms(model, q: int, prefix: int, repeats: int, compile: bool = False) 
         net.setup_cache(prefix + q)
         net.kv.normal_(0, 0.5)          # stands in for a prefill of the prefix: what is read costs the same
     t = time.perf_counter()
-    ms = cost.forward_ms(lambda tok, pos, start: step(tok, pos, start), device, q, prefix, repeats)
+    ms = cost.forward_ms(step, device, q, prefix, repeats)
     if compile:      # the untimed first call compiled the graph
         print(f"{model.name} q={q} prefix={prefix}: compile + timed calls {time.perf_counter() - t:.0f} s",
               file=sys.stderr)

@@ -114,7 +114,7 @@ def measure_step_cost(target, drafter, config, compile: bool = False, context: i
     say = progress or (lambda msg: None)
     step = StepForward(target.net, compile)
     say(f"target {target.name}: forwards of 1 .. {n_max} tokens after {context} cached")
-    verify = forward_curve(target.net, lambda t, p, s: step(t, p, s), device, n_max, context, repeats, say)
+    verify = forward_curve(target.net, step, device, n_max, context, repeats, say)
     draft: tuple[float, ...] = ()
     if isinstance(drafter, Eagle3Head):
         width = drafter.config.fused_size
@@ -127,7 +127,7 @@ def measure_step_cost(target, drafter, config, compile: bool = False, context: i
     elif drafter is not None:
         dstep = StepForward(drafter.net, compile, dynamic=True)
         say(f"drafter {drafter.name}: forwards of 1 .. {n_max} tokens")
-        draft = forward_curve(drafter.net, lambda t, p, s: dstep(t, p, s), device, n_max, context, repeats, say)
+        draft = forward_curve(drafter.net, dstep, device, n_max, context, repeats, say)
     say("the rest of a step: a short decode")
     engine = Engine(target, drafter, config, compile=compile)
     prompt = target.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")

@@ -10,8 +10,9 @@ decoding); Optuna's TPE picks the next config. The best config is written as a p
 Studies live in Optuna storage, so rerunning the same command resumes the search.
 
 The device's cost model (``graft_tk.cost``: target and drafter forwards of 1 .. N tokens, a step's
-other work) is measured after the search; with it the methods that prune choose their depth and
-budget per step (``graft_tk.policy``), and the held-out check keeps it when that is faster.
+other work) is measured for the held-out check after the search (``--validate``); with it the
+methods that prune choose their depth and budget per step (``graft_tk.policy``), and the profile
+keeps it when that is faster on the held-out prompts.
 ``--cost-only`` measures just the cost model (a minute or two) into the pair's profile.
 """
 from __future__ import annotations
@@ -142,13 +143,14 @@ def run(args) -> int:
     if outcome.best is not None:
         method, config = search.config_of(outcome.best)
         chosen = "best"
-        print("measuring the device's cost model ...", file=sys.stderr)
-        cost = measure_step_cost(target, drafter, config, compile=args.compile,
-                                 progress=lambda msg: print("  " + msg, file=sys.stderr))
-        adaptive = dataclasses.replace(config, cost=cost)
-        if held_out:
+        if held_out:   # the cost model is kept only where the held-out check finds it faster
+            print("measuring the device's cost model ...", file=sys.stderr)
+            cost = measure_step_cost(target, drafter, config, compile=args.compile,
+                                     progress=lambda msg: print("  " + msg, file=sys.stderr))
+            adaptive = dataclasses.replace(config, cost=cost)
             default_method, default_config = ("graft" if "graft" in methods else methods[0]), type(config)()
-            print(f"held-out check on {len(held_out)} prompts: best vs best adaptive vs default ...", file=sys.stderr)
+            print(f"held-out check on {len(held_out)} prompts: best vs best adaptive vs default ...",
+                  file=sys.stderr)
             candidates = {"best": (method, config), "best_adaptive": (method, adaptive),
                           "default": (default_method, default_config)}
             outcome.validation = search.validate(task, candidates)
