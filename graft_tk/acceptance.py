@@ -1,31 +1,66 @@
 """How likely is a candidate node to be accepted? Online estimates that the budget allocator ranks by.
 
-Every candidate of a step gets an estimate of log P(its whole path is accepted), and
-``build_tree`` gives the N - 1 places to the highest (DESIGN.md §1 step 5):
+Every candidate of a step gets an estimate, and ``build_tree`` values each tree node by
+log P(its whole path is accepted) and gives the N - 1 places to the highest (DESIGN.md §1 step 5):
 
-* drafted node: P(accepted | drafter score), a monotone (isotonic) fit over score buckets, so a
-  likelier drafter path never gets a lower estimate. Prior: the drafter's own probability.
-* adjacency-matrix (retrieval) node at template position i: the product, along its rank path,
-  of P(position j accepted | its parent accepted). Prior: 0.4 * 0.6**rank.
-* prompt-lookup node at chain position d after a matched n-gram of length g: the product over
-  positions <= d of P(position accepted | the previous one accepted, g). Prior: longer matches
-  are likelier (0.3 for g = 1, up to 0.7).
+* drafted node: P(its path accepted | drafter score), a monotone (isotonic) fit over score
+  buckets, so a likelier drafter path never gets a lower estimate. Prior: the drafter's own
+  probability.
+* adjacency-matrix (retrieval) candidate at template position i: P(accepted | its tree parent
+  accepted), per position. Prior: 0.4 * 0.6**rank. ``build_tree`` multiplies it into the
+  parent node's value, so a chain grafted beneath a drafted node is valued through that node.
+* prompt-lookup candidate at chain position d after a matched n-gram of length g: P(accepted |
+  the previous position accepted, g). Prior: longer matches are likelier (0.3 for g = 1, up to 0.7).
+
+A grafted candidate is counted only when it made its own node: one whose token an earlier
+source (the drafter, then prompt lookup) already proposed adds nothing to the tree, and counting
+its acceptance, which is the other source's, made retrieval look several times likelier than it
+is on the nodes it adds.
 
 Counts decay by ``DECAY`` per step, so the estimates follow a change of workload within a few
-dozen steps; each prior weighs ``PRIOR_WEIGHT`` observations. Everything stays on the device
+dozen steps; each prior weighs ``PRIOR_WEIGHT`` observations. ``AcceptancePriors`` learnt on the
+pair (``graft-calibrate``, kept in the profile's config) replace the generic priors above and
+weigh ``LEARNT_PRIOR_WEIGHT``: a fresh engine then starts from what this drafter and this
+adjacency matrix are actually worth, not from a guess it needs a few dozen steps to unlearn. Everything stays on the device
 in fixed shapes: reading the estimates and updating them never waits for the host.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .adjacency import RetrievalTemplate
-from .tree import BuiltTree
+from .errors import InputError
+from .tree import PROMPT_LOOKUP, RETRIEVAL, BuiltTree
 
 SCORE_EDGES = (-6.0, -5.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.75, -0.5, -0.25)  # drafter log-prob buckets
 PRIOR_WEIGHT = 2.0
+LEARNT_PRIOR_WEIGHT = 8.0
 DECAY = 0.98
+
+
+@dataclass(frozen=True)
+class AcceptancePriors:
+    """What the estimates start from, learnt on a model pair (``AcceptanceEstimates.learnt``)."""
+    draft: tuple[float, ...]      # P(drafted path accepted) per score bucket, len(SCORE_EDGES) + 1, non-decreasing
+    retrieval: tuple[float, ...]  # P(accepted | parent accepted) by rank 0, 1, ... (the last repeats)
+    pld: tuple[float, ...]        # P(accepted | previous accepted) by matched n-gram length 1, 2, ... (the last repeats)
+
+    def __post_init__(self):
+        for name in ("draft", "retrieval", "pld"):
+            v = tuple(float(x) for x in getattr(self, name))
+            if not v or not all(0.0 < x <= 1.0 for x in v):
+                raise InputError(f"AcceptancePriors.{name} must be probabilities in (0, 1], got {v!r}")
+            object.__setattr__(self, name, v)
+        if len(self.draft) != len(SCORE_EDGES) + 1:
+            raise InputError(f"AcceptancePriors.draft needs {len(SCORE_EDGES) + 1} score buckets, got "
+                             f"{len(self.draft)}: relearn with graft-calibrate --cost-only")
+
+    @staticmethod
+    def _by(values: tuple[float, ...], index: Tensor) -> Tensor:
+        return torch.tensor(values, device=index.device)[index.clamp(max=len(values) - 1)]
 
 
 def isotonic_fit(rate: Tensor, weight: Tensor) -> Tensor:
@@ -46,66 +81,60 @@ class AcceptanceEstimates:
     """Device-side acceptance statistics per source; see the module docstring."""
 
     def __init__(self, template: RetrievalTemplate, pld_tokens: int, pld_max_ngram: int,
-                 device: torch.device | str):
-        self.device = torch.device(device)
+                 device: torch.device | str, priors: AcceptancePriors | None = None, decay: float = DECAY):
+        self.device, self.decay = torch.device(device), decay
         self.edges = torch.tensor(SCORE_EDGES, device=device)
-        mids = torch.tensor((SCORE_EDGES[0] - 1.0,) + tuple((a + b) / 2 for a, b in zip(SCORE_EDGES, SCORE_EDGES[1:]))
-                            + (SCORE_EDGES[-1] / 2,), device=device)
-        self.draft_prior = mids.exp()                                       # [B]
         B, T, G, L = len(SCORE_EDGES) + 1, template.n, pld_max_ngram, pld_tokens
         self.template = template
-        self.retrieval_prior = 0.4 * 0.6 ** template.ranks.to(device).float()            # [T]
-        self.pld_prior = (0.3 + 0.2 * torch.arange(G, device=device).float()).clamp(max=0.7)[:, None].expand(G, L)
-        # ancestor-or-self matrix of the template: a path's log value is anc @ log(rate)
-        anc = torch.eye(T, device=device)
-        parents = template.parents.tolist()
-        for i, p in enumerate(parents):
-            if p >= 0:
-                anc[i] += anc[p]
-        self.template_anc = anc
+        ranks, ngrams = template.ranks.to(device).long(), torch.arange(G, device=device)
+        if priors is None:
+            mids = torch.tensor((SCORE_EDGES[0] - 1.0,) + tuple((a + b) / 2 for a, b in zip(SCORE_EDGES, SCORE_EDGES[1:]))
+                                + (SCORE_EDGES[-1] / 2,), device=device)
+            self.draft_prior = mids.exp()                                   # [B]
+            self.retrieval_prior = 0.4 * 0.6 ** ranks.float()               # [T]
+            pld_prior = (0.3 + 0.2 * ngrams.float()).clamp(max=0.7)         # [G]
+            self.prior_weight = PRIOR_WEIGHT
+        else:
+            self.draft_prior = torch.tensor(priors.draft, device=device)
+            self.retrieval_prior = AcceptancePriors._by(priors.retrieval, ranks)
+            pld_prior = AcceptancePriors._by(priors.pld, ngrams)
+            self.prior_weight = LEARNT_PRIOR_WEIGHT
+        self.pld_prior = pld_prior[:, None].expand(G, L)
         # (trials, accepted) counts, decayed each step
         self.draft_n, self.draft_acc = torch.zeros(B, device=device), torch.zeros(B, device=device)
         self.retrieval_n, self.retrieval_acc = torch.zeros(T, device=device), torch.zeros(T, device=device)
         self.pld_n, self.pld_acc = torch.zeros(G, L, device=device), torch.zeros(G, L, device=device)
 
     # ----------------------------------------------------------------- estimates (log P)
-    @staticmethod
-    def _rate(acc: Tensor, n: Tensor, prior: Tensor) -> Tensor:
-        return (acc + PRIOR_WEIGHT * prior) / (n + PRIOR_WEIGHT)
+    def _rate(self, acc: Tensor, n: Tensor, prior: Tensor) -> Tensor:
+        return (acc + self.prior_weight * prior) / (n + self.prior_weight)
 
     def draft_rates(self) -> Tensor:
         """P(a drafted node is accepted) per score bucket [B], non-decreasing in the score."""
-        return isotonic_fit(self._rate(self.draft_acc, self.draft_n, self.draft_prior), self.draft_n + PRIOR_WEIGHT)
+        return isotonic_fit(self._rate(self.draft_acc, self.draft_n, self.draft_prior), self.draft_n + self.prior_weight)
 
     def draft_values(self, scores: Tensor) -> Tensor:
         """log P(accepted) of drafted nodes with these drafter scores (cumulative log-probs)."""
         return self.draft_rates().log()[torch.bucketize(scores.float(), self.edges)]
 
     def retrieval_values(self) -> Tensor:
-        """log P(whole path accepted) of every retrieval template position [T]."""
-        rate = self._rate(self.retrieval_acc, self.retrieval_n, self.retrieval_prior)
-        return self.template_anc @ rate.log()
+        """log P(accepted | tree parent accepted) of every retrieval template position [T]."""
+        return self._rate(self.retrieval_acc, self.retrieval_n, self.retrieval_prior).log()
 
     def pld_values(self, ngram: int | Tensor) -> Tensor:
-        """log P(chain accepted up to position d) [L] after a matched n-gram of length ``ngram``
-        (an int or a 0-d device tensor; 0 = no match, valued as 1)."""
+        """log P(chain position d accepted | position d - 1 accepted) [L] after a matched n-gram of
+        length ``ngram`` (an int or a 0-d device tensor; 0 = no match, valued as 1)."""
         g = self._ngram_row(ngram)
-        return torch.cumsum(self._rate(self.pld_acc[g], self.pld_n[g], self.pld_prior[g]).log(), 0)
+        return self._rate(self.pld_acc[g], self.pld_n[g], self.pld_prior[g]).log()
 
     def _ngram_row(self, ngram: int | Tensor) -> Tensor:
         return torch.as_tensor(ngram, device=self.device).clamp(1, self.pld_n.shape[0]) - 1
 
-    def node_probs(self, built: BuiltTree, cand_values: Tensor) -> Tensor:
+    @staticmethod
+    def node_probs(built: BuiltTree) -> Tensor:
         """Estimated P(on the accepted path) of each node of a built tree [N] (root and padding 0):
-        drafted nodes by their score, grafted ones by their candidate's estimate — the highest
-        when several candidates (or a drafted node) land on the same node, so a token that two
-        sources propose counts once."""
-        N = built.tokens.shape[0]
-        est = torch.zeros(N + 1, device=cand_values.device)
-        node = built.cand_node.long()
-        est.scatter_reduce_(0, torch.where(node >= 0, node, N), cand_values.float().exp(), "amax")
-        drafted = self.draft_values(built.scores).exp().masked_fill(built.pool_index < 0, 0.0)
-        return torch.maximum(est[:N], drafted)
+        the values ``build_tree`` chose the nodes by (a token two sources propose is one node)."""
+        return built.values.exp().masked_fill(built.parents < 0, 0.0)
 
     # ----------------------------------------------------------------- online update
     def update(self, built: BuiltTree, path: Tensor, pld_span: tuple[int, int] | None, ngram: Tensor | None,
@@ -118,34 +147,52 @@ class AcceptanceEstimates:
         on_path = on_path[:N]
         parent_on_path = on_path[built.parents.long().clamp(min=0)] | (built.parents < 0)
         for counts in (self.draft_n, self.draft_acc, self.retrieval_n, self.retrieval_acc, self.pld_n, self.pld_acc):
-            counts.mul_(DECAY)
+            counts.mul_(self.decay)
         drafted = (built.pool_index >= 0).float()
         bucket = torch.bucketize(built.scores.clamp(min=-1e4), self.edges)   # padding's -inf -> bucket 0, weight 0
         self.draft_n.scatter_add_(0, bucket, drafted)
         self.draft_acc.scatter_add_(0, bucket, drafted * on_path.float())
         if retrieval_span is not None:
-            tried, accepted = self._count(built.cand_node[retrieval_span[0]:retrieval_span[1]], on_path,
-                                          parent_on_path)
+            tried, accepted = self._count(built.cand_node[retrieval_span[0]:retrieval_span[1]], RETRIEVAL, built,
+                                          on_path, parent_on_path)
             self.retrieval_n.add_(tried)
             self.retrieval_acc.add_(accepted)
         if pld_span is not None:    # without a match the chain is all padding: nothing is tried
-            tried, accepted = self._count(built.cand_node[pld_span[0]:pld_span[1]], on_path, parent_on_path)
+            tried, accepted = self._count(built.cand_node[pld_span[0]:pld_span[1]], PROMPT_LOOKUP, built,
+                                          on_path, parent_on_path)
             g = self._ngram_row(ngram).view(1)
             self.pld_n.index_add_(0, g, tried[None])
             self.pld_acc.index_add_(0, g, accepted[None])
 
     @staticmethod
-    def _count(nodes: Tensor, on_path: Tensor, parent_on_path: Tensor) -> tuple[Tensor, Tensor]:
-        """(tried, accepted) per candidate position: tried when its node was verified with its
-        parent accepted."""
+    def _count(nodes: Tensor, source: int, built: BuiltTree, on_path: Tensor, parent_on_path: Tensor
+               ) -> tuple[Tensor, Tensor]:
+        """(tried, accepted) per candidate position of ``source``: tried when it made its own node
+        (not one an earlier source proposed) and that node was verified with its parent accepted."""
         node = nodes.long()
-        verified = node >= 0
         idx = node.clamp(min=0)
-        tried = verified & parent_on_path[idx]
+        tried = (node >= 0) & (built.source[idx] == source) & parent_on_path[idx]
         return tried.float(), (tried & on_path[idx]).float()
 
+    def learnt(self) -> AcceptancePriors:
+        """The priors these counts support (run with ``decay=1`` to learn from a whole calibration
+        run): drafted rates per score bucket, retrieval rates pooled by rank, prompt-lookup rates
+        pooled over chain positions per n-gram length; each still leans on its prior where the run
+        saw little. Syncs."""
+        def probs(t: Tensor) -> tuple[float, ...]:
+            return tuple(round(min(max(x, 1e-4), 1.0), 6) for x in t.tolist())
+
+        ranks = self.template.ranks.to(self.device).long()
+        by_rank = lambda t: torch.zeros(int(ranks.max()) + 1, device=self.device).index_add_(0, ranks, t)  # noqa: E731
+        rank_prior = by_rank(self.retrieval_prior) / by_rank(torch.ones_like(self.retrieval_prior)).clamp(min=1)
+        return AcceptancePriors(
+            draft=probs(self.draft_rates()),
+            retrieval=probs(self._rate(by_rank(self.retrieval_acc), by_rank(self.retrieval_n), rank_prior)),
+            pld=probs(self._rate(self.pld_acc.sum(1), self.pld_n.sum(1), self.pld_prior[:, 0])))
+
     def summary(self) -> dict:
-        """Host copy of the current estimates (for stats and reports; syncs)."""
+        """Host copy of the current estimates (for stats and reports; syncs): drafted paths by score
+        bucket, retrieval and prompt-lookup positions given their parent accepted."""
         return {"draft_by_score_bucket": [round(x, 4) for x in self.draft_rates().tolist()],
                 "retrieval_by_position": [round(x, 4) for x in self.retrieval_values().exp().tolist()],
                 "pld_by_ngram": [[round(x, 4) for x in self.pld_values(g + 1).exp().tolist()]

@@ -55,7 +55,7 @@ class Engine:
         self.adjacency = new_adjacency(target.config.vocab_size, self.config.retrieval_k, target.device)
         # P(accepted) of each source's candidates, learnt online: what build_tree ranks the budget by.
         self.estimates = AcceptanceEstimates(self.template, self.config.pld_tokens, self.config.pld_max_ngram,
-                                             target.device)
+                                             target.device, self.config.priors)
         # With the device's cost model: depth and budget chosen per step by expected gain.
         self.policy = (StepPolicy(self.config.cost, self.config.budget, self.config.top_k, target.device,
                                   fixed_budget=static_shapes) if self.config.cost is not None else None)
@@ -160,7 +160,7 @@ class Engine:
             built = ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, root, log_tau,
                                    cand_tokens, cand_parents, cand_source, cfg.budget, pool_values, cand_values)
             if adaptive_budget:   # the best n of the tree built at N (each node once), then that tree
-                budget = policy.budget(estimates.node_probs(built, cand_values))
+                budget = policy.budget(estimates.node_probs(built))
                 if budget < cfg.budget:
                     built = ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, root,
                                            log_tau, cand_tokens, cand_parents, cand_source, budget, pool_values,
@@ -180,7 +180,7 @@ class Engine:
             uniforms = (torch.rand(tree.n, generator=generator, device=device) if temperature > 0 else None)
             path, n_path, bonus = ops.accept(tree, logits, self.adjacency if use_retrieval else None,
                                              temperature, top_p, uniforms)
-            stats.expect(built, estimates.node_probs(built, cand_values))   # before the update: a prediction
+            stats.expect(built, estimates.node_probs(built))   # before the update: a prediction
             estimates.update(built, path, pld_span, ngram, retrieval_span)
             # The accepted nodes after the root, then the bonus, go into the context on the device
             # (entries past what the host commits below are overwritten by the next step).

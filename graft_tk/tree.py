@@ -223,7 +223,7 @@ class BuiltTree(NamedTuple):
     """``build_tree``'s outputs: fixed shapes (N = budget_n), valid prefix ``n_nodes``.
 
     Padding (entries ``n_nodes .. N-1``) is inert: token -1, parent -1, depth 0, source -1,
-    score -inf, pool_index -1, and a mask row holding only its own bit, so an attention over all
+    score -inf, pool_index -1, value -inf, and a mask row holding only its own bit, so an attention over all
     N rows never meets an empty row and no real row ever sees a padding column.
     """
 
@@ -236,6 +236,7 @@ class BuiltTree(NamedTuple):
     mask: Tensor        # int32 [N, ceil(N/32)] ancestor bits, layout of Tree.packed_mask
     n_nodes: Tensor     # int64 []   valid prefix length
     cand_node: Tensor   # int32 [C]  tree node each candidate landed on (new or shared), -1 if not in the tree
+    values: Tensor      # float32 [N] estimated log P(on the accepted path) the node was chosen by; 0 root, -inf padding
 
     def as_tree(self) -> Tree:
         """All N entries as a ``Tree``, padding included, with no host read: the fixed-shape verify

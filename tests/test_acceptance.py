@@ -2,13 +2,14 @@
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from graft_tk.acceptance import PRIOR_WEIGHT, SCORE_EDGES, AcceptanceEstimates, isotonic_fit
 from graft_tk.calibration.warm_start import isotonic_increasing
 from graft_tk.adjacency import RetrievalTemplate, template_from_level_sizes
 from graft_tk.reference.build_tree import build_tree
-from graft_tk.tree import PROMPT_LOOKUP, RETRIEVAL
+from graft_tk.tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT
 
 
 def test_isotonic_fit_equals_pool_adjacent_violators():
@@ -34,11 +35,11 @@ def test_priors():
     # drafted: the drafter's own probability, non-decreasing in the score
     rates = est.draft_rates()
     assert (rates[1:] >= rates[:-1]).all() and rates[-1] > 0.8 and rates[0] < 0.01
-    # retrieval: a path is the product of its positions' rates (template: [r0, r1] then r0 under each)
-    assert torch.allclose(est.retrieval_values().exp(), torch.tensor([0.4, 0.24, 0.16, 0.096]))
-    # prompt lookup: a longer match is likelier; positions multiply along the chain
-    assert torch.allclose(est.pld_values(1).exp(), torch.tensor([0.3, 0.09, 0.027]))
-    assert torch.allclose(est.pld_values(2).exp(), torch.tensor([0.5, 0.25, 0.125]))
+    # retrieval, given the parent accepted: by rank (template: [r0, r1], then r0 and r1 under r0)
+    assert torch.allclose(est.retrieval_values().exp(), torch.tensor([0.4, 0.24, 0.4, 0.24]))
+    # prompt lookup, given the previous position accepted: a longer match is likelier
+    assert torch.allclose(est.pld_values(1).exp(), torch.tensor([0.3, 0.3, 0.3]))
+    assert torch.allclose(est.pld_values(2).exp(), torch.tensor([0.5, 0.5, 0.5]))
 
 
 def _step(est, template, retrieved, accepted_depth):
@@ -57,7 +58,7 @@ def _step(est, template, retrieved, accepted_depth):
 
 
 def test_retrieval_estimates_learn_which_positions_are_accepted():
-    template = template_from_level_sizes((2, 2), 2)        # [r0, r1] at depth 1, r0 under each at depth 2
+    template = template_from_level_sizes((2, 2), 2)        # [r0, r1] at depth 1, r0 and r1 under r0 at depth 2
     est = estimates(template)
     retrieved = torch.tensor([5, 6, 7, 8])
     for _ in range(30):
@@ -65,7 +66,24 @@ def test_retrieval_estimates_learn_which_positions_are_accepted():
     rate = est.retrieval_values().exp()
     # r0 and its rank-0 child: always accepted once tried -> close to 1; r1 never -> close to 0
     assert rate[0] > 0.9 and rate[2] > 0.85 and rate[1] < 0.1 and rate[3] < 0.1
-    # positions that are never verified keep their prior (nothing was learnt about them)
+    # the tree's values are the paths': r0 -> its child multiplies the two
+    built = _step(est, template, retrieved, accepted_depth=2)
+    assert AcceptanceEstimates.node_probs(built)[built.cand_node[2]] == pytest.approx(float(rate[0] * rate[2]), rel=0.05)
+
+
+def test_a_candidate_another_source_proposed_is_not_counted():
+    # The drafter proposes token 5 (accepted); retrieval's rank 0 repeats it, its rank 1 (6) is its own
+    # node and is rejected. Only the own node counts for retrieval: position 0 learns nothing.
+    template = template_from_level_sizes((2,), 2)
+    est = estimates(template)
+    for _ in range(20):
+        built = build_tree(torch.tensor([5]), torch.tensor([-1]), torch.tensor([-0.1]), torch.tensor([1]), 1,
+                           torch.tensor(0), -math.inf, torch.tensor([5, 6]), template.parents.to(torch.int32),
+                           torch.full((2,), RETRIEVAL, dtype=torch.int8), 4, est.draft_values(torch.tensor([-0.1])),
+                           est.retrieval_values())
+        assert built.source.tolist()[:3] == [ROOT, DRAFT, RETRIEVAL] and built.cand_node.tolist() == [1, 2]
+        est.update(built, torch.tensor([0, 1, -1, -1]), None, None, (0, 2))
+    assert est.retrieval_n[0] == 0 and est.retrieval_n[1] > 5 and est.retrieval_acc.sum() == 0
 
 
 def test_counts_decay_so_a_change_of_workload_is_followed():

@@ -311,16 +311,18 @@ def _no_pool():
 
 
 def test_budget_goes_to_the_likeliest_candidates():
-    # Candidates: root children a, b, c (P = .5, .2, .1); x under a (.4), y under x (.3). With N = 4,
-    # index order would take a, b, c; by estimated acceptance the chain a -> x -> y wins.
+    # Candidates: root children a, b, c (P = .5, .2, .1); x under a (.8 given a: .4), y under x
+    # (.75 given x: .3). With N = 4, index order would take a, b, c; by estimated acceptance the
+    # chain a -> x -> y wins.
     cand = torch.tensor([1, 2, 3, 4, 5])
     cpar = torch.tensor([-1, -1, -1, 0, 3], dtype=torch.int32)
     csrc = torch.full((5,), RETRIEVAL, dtype=torch.int8)
-    values = torch.tensor([0.5, 0.2, 0.1, 0.4, 0.3]).log()
+    values = torch.tensor([0.5, 0.2, 0.1, 0.8, 0.75]).log()
     out = run_both(*_no_pool(), torch.tensor(9, device=DEVICE), 0.0, *on_device(cand, cpar, csrc), 4,
                    None, values.to(DEVICE))
     assert out.tokens.tolist() == [9, 1, 4, 5] and out.parents.tolist() == [-1, 0, 1, 2]
     assert out.cand_node.tolist() == [1, -1, -1, 2, 3]
+    assert torch.allclose(out.values.exp().cpu(), torch.tensor([1.0, 0.5, 0.4, 0.3]))
     # without values: index order, the old BFS fill
     plain = run_both(*_no_pool(), torch.tensor(9, device=DEVICE), 0.0, *on_device(cand, cpar, csrc), 4)
     assert plain.tokens.tolist() == [9, 1, 2, 3]
@@ -328,19 +330,20 @@ def test_budget_goes_to_the_likeliest_candidates():
 
 def test_drafted_nodes_compete_and_a_child_is_never_likelier_than_its_parent():
     # Drafted: a (-0.1 score) with child b; their estimates are low (.05). Candidates: c at the root
-    # (.5), d under c with an estimate of .9 that is clamped to its parent's .5, e at the root (.3).
-    # N = 4: c (.5), d (.5, after c by index), e (.3) beat both drafted nodes.
+    # (.5), d under c with an estimate above 1 that is clamped so d is no likelier than c, e at the
+    # root (.3). N = 4: c (.5), d (.5, after c by index), e (.3) beat both drafted nodes.
     tokens, parents = torch.tensor([10, 11]), torch.tensor([-1, 0])
     scores, depths = torch.tensor([-0.1, -0.2]), torch.tensor([1, 2])
     pool_values = torch.tensor([0.05, 0.05]).log()
     cand = torch.tensor([12, 13, 14])
     cpar = torch.tensor([-1, 0, -1], dtype=torch.int32)
     csrc = torch.full((3,), RETRIEVAL, dtype=torch.int8)
-    cand_values = torch.tensor([0.5, 0.9, 0.3]).log()
+    cand_values = torch.tensor([0.5, 1.5, 0.3]).log()
     out = run_both(*on_device(tokens, parents, scores, depths, 2, torch.tensor(1), -math.inf, cand, cpar, csrc, 4,
                               pool_values, cand_values))
     assert out.tokens.tolist() == [1, 12, 13, 14] and out.parents.tolist() == [-1, 0, 1, 0]
     assert (out.pool_index == -1).all() and (out.source[1:] == RETRIEVAL).all()
+    assert torch.allclose(out.values.exp().cpu(), torch.tensor([1.0, 0.5, 0.5, 0.3]))
     # with N = 6 everything fits: drafted nodes first, in pool order, then the candidates
     out = run_both(*on_device(tokens, parents, scores, depths, 2, torch.tensor(1), -math.inf, cand, cpar, csrc, 6,
                               pool_values, cand_values))
@@ -349,7 +352,7 @@ def test_drafted_nodes_compete_and_a_child_is_never_likelier_than_its_parent():
 
 def test_a_candidate_on_a_drafted_node_raises_its_estimate():
     # Drafted a (.05) and b (.04) at the root; a retrieval candidate repeats b with .6 and continues
-    # under it with x (.5). N = 3: b (.6) and x (.5) beat a.
+    # under it with x (.5 given b: .3). N = 3: b (.6) and x (.3) beat a.
     tokens, parents = torch.tensor([10, 11]), torch.tensor([-1, -1])
     scores, depths = torch.tensor([-0.1, -0.2]), torch.tensor([1, 1])
     cand, cpar = torch.tensor([11, 20]), torch.tensor([-1, 0], dtype=torch.int32)
@@ -358,3 +361,18 @@ def test_a_candidate_on_a_drafted_node_raises_its_estimate():
                               torch.tensor([0.05, 0.04]).log(), torch.tensor([0.6, 0.5]).log()))
     assert out.tokens.tolist() == [1, 11, 20] and out.source.tolist() == [ROOT, DRAFT, RETRIEVAL]
     assert out.pool_index.tolist() == [-1, 1, -1] and out.cand_node.tolist() == [1, 2]
+    assert torch.allclose(out.values.exp().cpu(), torch.tensor([1.0, 0.6, 0.3]))
+
+
+def test_a_chain_under_a_drafted_node_is_valued_through_that_node():
+    # Drafted a (.9); a retrieval candidate r (.02: a token of its own is rarely right) that repeats
+    # a, and x under it (.5 given its parent). x's path is a -> x: .9 x .5 = .45, not .02 x .5.
+    tokens, parents = torch.tensor([10]), torch.tensor([-1])
+    scores, depths = torch.tensor([-0.1]), torch.tensor([1])
+    cand, cpar = torch.tensor([10, 20]), torch.tensor([-1, 0], dtype=torch.int32)
+    csrc = torch.full((2,), RETRIEVAL, dtype=torch.int8)
+    out = run_both(*on_device(tokens, parents, scores, depths, 1, torch.tensor(1), -math.inf, cand, cpar, csrc, 4,
+                              torch.tensor([0.9]).log(), torch.tensor([0.02, 0.5]).log()))
+    assert out.tokens.tolist() == [1, 10, 20, -1] and out.source.tolist() == [ROOT, DRAFT, RETRIEVAL, -1]
+    assert torch.allclose(out.values[:3].exp().cpu(), torch.tensor([1.0, 0.9, 0.45]))
+    assert out.values[3] == -math.inf

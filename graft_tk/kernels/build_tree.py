@@ -14,7 +14,8 @@ Phases:
              the drafted nodes are scattered into union buffers and read back per node.
   4. graft   one loop iteration per candidate, all state in registers ([U_PAD] union vectors,
              [C_PAD] candidate -> union node map): dedup by (parent, token) match (raising the
-             node's value), else a new union node with value min(estimate, parent's value).
+             node's value), else a new union node valued parent's value + its estimate (a
+             candidate's estimate is log P(accepted | its parent accepted)).
   5. choose  rank every union node by (value desc, index asc), blocked [U_PAD, BLOCK_UJ] compares;
              keep rank < N-1 (closed under parents: a child never outranks its parent); output
              index = cumsum of kept, parents and candidates remapped through scratch.
@@ -55,7 +56,7 @@ def _build_tree_kernel(
     cand_tokens_ptr, cand_parents_ptr, cand_source_ptr, cand_values_ptr,
     # pointers: outputs, then scratch: int32 [2, S_PAD], float32 [S_PAD], union int64 [2, U_PAD], float32 [U_PAD]
     tokens_ptr, parents_ptr, depth_ptr, source_ptr, scores_ptr, pool_index_ptr, mask_ptr, n_nodes_ptr,
-    cand_node_ptr, scratch_ptr, scratch_f_ptr, union_ptr, union_f_ptr,
+    cand_node_ptr, values_ptr, scratch_ptr, scratch_f_ptr, union_ptr, union_f_ptr,
     # sizes and scalars
     P, C, N, W, n_pool_arg, log_tau,
     # meta-parameters
@@ -150,7 +151,7 @@ def _build_tree_kernel(
         live = (tok >= 0) & (parent >= 0)
         match = (ui >= 1) & (ui < n) & (par_vec == parent) & (tok_vec == tok)
         found = tl.max(tl.where(match, ui, -1), 0)
-        v = tl.minimum(cval, tl.max(tl.where(ui == parent, val_vec, float("-inf")), 0))
+        v = tl.max(tl.where(ui == parent, val_vec, float("-inf")), 0) + tl.minimum(cval, 0.0)
         add = live & (found < 0)
         target = tl.where(add, n, tl.where(live, found, -1))
         mapped = tl.where(ci == c, target, mapped)
@@ -196,6 +197,7 @@ def _build_tree_kernel(
     tl.store(source_ptr + dst, src_vec.to(tl.int8), mask=keep)
     tl.store(scores_ptr + dst, u_score, mask=keep)
     tl.store(pool_index_ptr + dst, u_pool, mask=keep)
+    tl.store(values_ptr + dst, val_vec, mask=keep)
     ni = tl.arange(0, N_PAD)
     pad = (ni >= n_out) & (ni < N)
     tl.store(tokens_ptr + ni, tl.full([N_PAD], -1, tl.int64), mask=pad)
@@ -204,6 +206,7 @@ def _build_tree_kernel(
     tl.store(source_ptr + ni, tl.full([N_PAD], -1, tl.int8), mask=pad)
     tl.store(scores_ptr + ni, tl.full([N_PAD], float("-inf"), tl.float32), mask=pad)
     tl.store(pool_index_ptr + ni, tl.full([N_PAD], -1, tl.int64), mask=pad)
+    tl.store(values_ptr + ni, tl.full([N_PAD], float("-inf"), tl.float32), mask=pad)
     tl.store(n_nodes_ptr, n_out.to(tl.int64))
     tl.debug_barrier()          # RAW: the mask rows follow the parents other threads just stored
 
@@ -284,7 +287,8 @@ def build_tree(pool_tokens: torch.Tensor, pool_parents: torch.Tensor, pool_score
                     pool_index=torch.empty(N, dtype=torch.int64, device=dev),
                     mask=torch.empty(N, W, dtype=torch.int32, device=dev),
                     n_nodes=torch.empty((), dtype=torch.int64, device=dev),
-                    cand_node=torch.empty(C, dtype=torch.int32, device=dev))
+                    cand_node=torch.empty(C, dtype=torch.int32, device=dev),
+                    values=torch.empty(N, dtype=torch.float32, device=dev))
     scratch = torch.empty(2 * cfg["S_PAD"], dtype=torch.int32, device=dev)
     scratch_f = torch.empty(cfg["S_PAD"], dtype=torch.float32, device=dev)
     union = torch.empty(2 * cfg["U_PAD"], dtype=torch.int64, device=dev)

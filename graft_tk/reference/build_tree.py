@@ -95,26 +95,29 @@ def graft_candidates(draft: Tree, cand_tokens: Tensor, cand_parents: Tensor, can
 
     cand_tokens int64 [C] (-1 = missing), cand_parents int [C] (-1 = child of the root, else an
     earlier candidate index), cand_source int8 [C] (source code of each candidate's new node).
-    draft_values float32 [draft.n] and cand_values float32 [C]: estimated log P(the node's whole
-    path is accepted); None = all equal (0), which fills the budget in index order, drafted
-    nodes first. See ``allocate`` for the rule. Returns the merged tree (CPU reference: host loop).
+    draft_values float32 [draft.n]: estimated log P(the drafted node's whole path is accepted);
+    cand_values float32 [C]: estimated log P(the candidate is accepted | its parent is); None = all
+    equal (0), which fills the budget in index order, drafted nodes first. See ``allocate`` for the
+    rule. Returns the merged tree (CPU reference: host loop).
     """
     return allocate(draft, cand_tokens, cand_parents, cand_source, budget_n, draft_values, cand_values)[0]
 
 
 def allocate(draft: Tree, cand_tokens: Tensor, cand_parents: Tensor, cand_source: Tensor, budget_n: int,
              draft_values: Tensor | None = None, cand_values: Tensor | None = None
-             ) -> tuple[Tree, list[int], list[int]]:
+             ) -> tuple[Tree, list[int], list[int], list[float]]:
     """The budget allocator: (tree of at most ``budget_n`` nodes, tree node of each candidate or -1,
-    the drafted nodes kept as indices into ``draft``).
+    the drafted nodes kept as indices into ``draft``, each tree node's value).
 
     1. Union: the drafted nodes (indices 1 .. draft.n - 1), then every candidate in index order.
        A candidate is missing when its token is -1 or its parent is missing; when (parent node,
        token) already exists it maps onto that node (so a retrieved chain continues beneath a
        drafted node at no cost); otherwise it becomes a new union node.
-    2. Values: the root has log 1 = 0; a node's value is min(its own estimate, its parent's value)
-       (a path is never likelier than its prefix), and a candidate that maps onto an existing node
-       raises that node's value to its own clamped estimate if higher.
+    2. Values (log P(on the accepted path)): the root has log 1 = 0; a drafted node's value is
+       min(its own estimate, its parent's value) (a path is never likelier than its prefix); a
+       candidate's is its tree parent's value + its own estimate (clamped to <= 0), so a chain
+       grafted beneath a drafted node is valued through that node; a candidate that maps onto an
+       existing node raises that node's value to its own if higher.
     3. Selection: the N - 1 best non-root union nodes by (value desc, union index asc). A child's
        value never exceeds its parent's and its index is larger, so the chosen set is closed under
        parents; nodes keep their union order (parents before children).
@@ -147,7 +150,7 @@ def allocate(draft: Tree, cand_tokens: Tensor, cand_parents: Tensor, cand_source
         if tok < 0 or parent < 0:
             mapped.append(-1)
             continue
-        v = min(cvalue[c], value[parent])
+        v = value[parent] + min(cvalue[c], 0.0)
         node = node_of.get((parent, tok), -1)
         if node < 0:
             node = len(tokens)
@@ -175,7 +178,7 @@ def allocate(draft: Tree, cand_tokens: Tensor, cand_parents: Tensor, cand_source
         scores=torch.cat([draft.scores[drafted],
                           torch.full((len(keep) - len(drafted),), float("-inf"), dtype=torch.float32, device=dev)]),
     )
-    return tree, [new_index.get(m, -1) for m in mapped], drafted[1:]
+    return tree, [new_index.get(m, -1) for m in mapped], drafted[1:], [value[i] for i in keep]
 
 
 def _f32_list(values: Tensor | None, n: int) -> list[float]:
@@ -257,7 +260,7 @@ def build_tree(pool_tokens: Tensor, pool_parents: Tensor, pool_scores: Tensor, p
     cand_source : int8 [C]       source code of each candidate (RETRIEVAL, PROMPT_LOOKUP)
     budget_n : int               N, nodes in the tree including the root, >= 1
     pool_values : float32 [P]    estimated log P(accepted) of each pool entry (None: all 0)
-    cand_values : float32 [C]    estimated log P(whole path accepted) of each candidate (None: all 0)
+    cand_values : float32 [C]    estimated log P(accepted | parent accepted) of each candidate (None: all 0)
 
     Returns
     -------
@@ -285,7 +288,7 @@ def build_tree(pool_tokens: Tensor, pool_parents: Tensor, pool_scores: Tensor, p
     draft_values = None
     if pool_values is not None:
         draft_values = torch.cat([torch.zeros(1, device=pool_values.device), pool_values[keep].float()])
-    tree, cand_node, kept_drafted = allocate(draft, cand_tokens, cand_parents, cand_source, budget_n,
+    tree, cand_node, kept_drafted, values = allocate(draft, cand_tokens, cand_parents, cand_source, budget_n,
                                              draft_values, cand_values)
 
     N, m, dev = budget_n, tree.n, pool_tokens.device
@@ -302,4 +305,5 @@ def build_tree(pool_tokens: Tensor, pool_parents: Tensor, pool_scores: Tensor, p
                      depth=pad(tree.depth, 0, torch.int32), source=pad(tree.source, -1, torch.int8),
                      scores=pad(tree.scores, float("-inf"), torch.float32), pool_index=pool_index,
                      mask=_pack_rows(mask), n_nodes=torch.tensor(m, dtype=torch.int64, device=dev),
-                     cand_node=torch.tensor(cand_node, dtype=torch.int32, device=dev))
+                     cand_node=torch.tensor(cand_node, dtype=torch.int32, device=dev),
+                     values=pad(torch.tensor(values, dtype=torch.float32, device=dev), float("-inf"), torch.float32))
