@@ -25,6 +25,7 @@ import optuna
 
 from graft_tk import __version__
 from graft_tk._fs import graft_home
+from graft_tk.acceptance import AcceptanceEstimates, AcceptancePriors
 from graft_tk.config import USES_DRAFTER, USES_RETRIEVAL, GraftConfig
 from graft_tk.bench import cold_decode
 from graft_tk.decode import decode, encode_prompt
@@ -226,6 +227,23 @@ def reference_outputs(task: Task, prompts: list[Prompt]) -> tuple[list[list[int]
         refs.append(tokens)
         speeds.append(stats["tokens_per_s"])
     return encoded, refs, speeds
+
+
+def learn_priors(target: Model, drafter: Model | Eagle3Head | None, method: str, config: GraftConfig,
+                 prompts: list[Prompt], max_new_tokens: int, compile: bool = False,
+                 progress: Callable[[str], None] | None = None) -> AcceptancePriors:
+    """The pair's acceptance priors: one engine decodes ``prompts`` with ``config`` (its cost model
+    too, so the counts come from the trees the adaptive policy builds), counting every step
+    undecayed, and returns what the counts support (``AcceptanceEstimates.learnt``)."""
+    engine = Engine(target, drafter if method in USES_DRAFTER else None, config, compile=compile)
+    engine.estimates = AcceptanceEstimates(engine.template, config.pld_tokens, config.pld_max_ngram, target.device,
+                                           decay=1.0)
+    for i, prompt in enumerate(prompts):
+        if progress:
+            progress(f"acceptance priors: prompt {i + 1}/{len(prompts)} ({prompt.id})")
+        decode(target, encode_prompt(target, prompt.text, chat=True), method=method, drafter=engine.drafter,
+               engine=engine, max_new_tokens=max_new_tokens)
+    return engine.estimates.learnt()
 
 
 def warm_start(task: Task, encoded: list[list[int]], n_prompts: int = 2) -> WarmStart:

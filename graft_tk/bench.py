@@ -112,6 +112,9 @@ class Plan:
     # choose depth and budget per step from ``config.cost`` (graft_tk.policy); "both": each such
     # method twice, fixed and as "<method>:adaptive"
     adaptive: str = "off"
+    # name -> config: each method but ar runs again as "<method>@name" with that config as it is
+    # (e.g. a profile tuned on another workload), fixed unless the config carries a cost model
+    configs: dict = field(default_factory=dict)
     warmup_seconds: dict = field(default_factory=dict)   # per run name: the untimed first call (compiles)
 
     def __post_init__(self):
@@ -140,6 +143,7 @@ class Plan:
         names = self.methods
         if self.adaptive == "both":
             names += tuple(m + ADAPTIVE_SUFFIX for m in self.methods if m in config_mod.PRUNES)
+        names += tuple(f"{m}{CONFIG_MARK}{c}" for c in self.configs for m in self.methods if m != "ar")
         if self.compile == "both":
             names += tuple(n + COMPILED_SUFFIX for n in names)
         return names
@@ -154,6 +158,10 @@ class Plan:
             return self.anchors.run(name, ids, max_new_tokens, self.temperature, self.seed, self.top_p)
         compiled = self.compile == "on" or name.endswith(COMPILED_SUFFIX)
         name = name.removesuffix(COMPILED_SUFFIX)
+        if CONFIG_MARK in name:
+            method, config_name = name.split(CONFIG_MARK)
+            return cold_decode(self.target, self.drafter, method, self.configs[config_name], ids, max_new_tokens,
+                               self.temperature, self.seed, self.top_p, compiled)
         adaptive = self.adaptive == "on" or name.endswith(ADAPTIVE_SUFFIX)
         config = self.config if adaptive else replace(self.config, cost=None)
         return cold_decode(self.target, self.drafter, name.removesuffix(ADAPTIVE_SUFFIX), config, ids,
@@ -163,6 +171,7 @@ class Plan:
 COMPILE_MODES = ("off", "on", "both")   # also the modes of Plan.adaptive
 COMPILED_SUFFIX = ":compiled"
 ADAPTIVE_SUFFIX = ":adaptive"
+CONFIG_MARK = "@"   # "<method>@<name>": a method run with one of Plan.configs
 
 
 def cold_decode(target: Model, drafter: Model | Eagle3Head | None, method: str, config: GraftConfig | None,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .acceptance import AcceptancePriors
 from .cost import StepCost
 from .errors import InputError
 
@@ -41,6 +42,8 @@ class GraftConfig:
     # choose their drafting depth and (when the verify size may vary) their budget per step by
     # expected gain (graft_tk.policy); budget, tau and max_depth become bounds. None: fixed.
     cost: StepCost | None = None
+    # Where the acceptance estimates start (learnt on this pair by graft-calibrate); None: generic priors.
+    priors: AcceptancePriors | None = None
 
     def __post_init__(self):
         _check(isinstance(self.budget, int) and self.budget >= 1, f"budget (N) must be an int >= 1, got {self.budget!r}")
@@ -59,6 +62,10 @@ class GraftConfig:
         object.__setattr__(self, "template", tuple(self.template))
         if isinstance(self.cost, dict):     # from a profile's JSON
             object.__setattr__(self, "cost", StepCost(**self.cost))
+        if isinstance(self.priors, dict):
+            object.__setattr__(self, "priors", AcceptancePriors(**self.priors))
+        _check(self.priors is None or isinstance(self.priors, AcceptancePriors),
+               f"priors must be AcceptancePriors, got {type(self.priors).__name__}")
         if self.cost is not None:
             _check(isinstance(self.cost, StepCost), f"cost must be a StepCost, got {type(self.cost).__name__}")
             _check(len(self.cost.verify_ms) >= self.budget,

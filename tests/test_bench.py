@@ -164,3 +164,27 @@ def test_prompt_sources_mix_and_mt_bench_round_robin():
     # MT-bench questions 81-160, 10 per category: #K takes them one category at a time
     assert [p.id for p in load_prompts("mt-bench#9")] == ["81", "91", "101", "111", "121", "131", "141", "151", "82"]
     assert len(load_prompts("mt-bench")) == 80 and {p.category for p in load_prompts("mt-bench")} == {"mt_bench"}
+
+
+def test_a_named_profile_runs_beside_the_methods(smollm2, two_prompts, tmp_path, capsys):
+    from graft_tk.calibration.profiles import profile_key, write_profile
+    from graft_tk.config import GraftConfig
+    drafter = bench.load_drafter("self:10", smollm2, "smollm2-135m")
+    path = write_profile(profile_key(smollm2, drafter), "graft", GraftConfig(budget=4, max_depth=1), {}, tmp_path)
+    out = tmp_path / "out.json"
+    assert main(["--model", "smollm2-135m", "--drafter", "self:10", "--methods", "ar,graft", "--prompts",
+                 str(two_prompts), "--max-new-tokens", "6", "--json", str(out), "--no-anchors", "--dtype", "fp32",
+                 "--config", f"small={path}"]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert {r["method"] for r in runs} == {"ar", "graft", "graft@small"} and all(r["exact"] for r in runs)
+    for r in runs:     # graft@small ran with the profile's config: one drafter depth, at most 4 nodes
+        if r["method"] == "graft@small":
+            assert r["stats"]["config"]["budget"] == 4 and r["stats"]["drafter_forwards_per_step"] <= 1
+            assert max(r["stats"]["per_step"]["nodes"]) <= 4
+        elif r["method"] == "graft":
+            assert r["stats"]["config"]["budget"] == 16
+    capsys.readouterr()
+    assert main(["--model", "smollm2-135m", "--methods", "ar", "--config", "oops"]) == 2
+    assert "expected NAME=PROFILE.json" in capsys.readouterr().err
+    assert main(["--model", "smollm2-135m", "--methods", "ar", "--config", f"x={tmp_path / 'none.json'}"]) == 2
+    assert "no file" in capsys.readouterr().err

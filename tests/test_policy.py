@@ -1,12 +1,15 @@
 """Drafting that calibrates itself: the cost model, the per-step depth and budget, and that an
 adaptive engine stays lossless while its choices change step by step."""
+import dataclasses
+import json
 import math
 
 import pytest
 import torch
 
 import graft_tk
-from graft_tk.acceptance import SCORE_EDGES
+from graft_tk.acceptance import SCORE_EDGES, AcceptanceEstimates, AcceptancePriors
+from graft_tk.adjacency import template_from_level_sizes
 from graft_tk.calibration.profiles import read_profile, write_profile, profile_key
 from graft_tk.config import PRUNES, GraftConfig
 from graft_tk.cost import StepCost, interpolate, measure_step_cost
@@ -143,3 +146,38 @@ def test_cost_is_measured_stored_in_the_profile_and_makes_decode_adaptive(smollm
     path.write_text(path.read_text().replace('"step_ms"', '"step_seconds"'))
     with pytest.raises(CorruptFileError, match="invalid contents"):
         read_profile(path)
+
+
+def test_cost_only_measures_the_cost_and_learns_priors_into_the_profile(tmp_path, capsys):
+    from graft_tk.cli.calibrate import main
+    assert main(["--model", "smollm2-135m", "--drafter", "self:4", "--dtype", "fp32", "--cost-only",
+                 "--prompts", "humaneval", "--n-prompts", "1", "--max-new-tokens", "12",
+                 "--profile-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "acceptance priors:" in out
+    (path,) = tmp_path.glob("*.json")
+    profile = read_profile(path)
+    priors, cost = profile.config.priors, profile.config.cost
+    assert cost is not None and priors is not None
+    assert len(priors.draft) == len(SCORE_EDGES) + 1 and list(priors.draft) == sorted(priors.draft)
+    assert len(priors.retrieval) == profile.config.retrieval_k and len(priors.pld) == profile.config.pld_max_ngram
+    assert profile.measured["priors_prompts"] == ["HumanEval/0"]
+    # the engine starts from them
+    engine = Engine(graft_tk.load_model("smollm2-135m", dtype="fp32", progress=False), None, profile.config)
+    assert torch.allclose(engine.estimates.draft_rates(), torch.tensor(priors.draft), atol=1e-6)
+
+
+def test_learnt_priors_follow_the_counts_and_are_validated():
+    template = template_from_level_sizes((2, 1), 2)
+    est = AcceptanceEstimates(template, 3, 2, "cpu", decay=1.0)
+    est.retrieval_n += torch.tensor([50.0, 50.0, 0.0])          # rank 0 always right, rank 1 never
+    est.retrieval_acc += torch.tensor([50.0, 0.0, 0.0])
+    learnt = est.learnt()
+    assert learnt.retrieval[0] > 0.9 and learnt.retrieval[1] < 0.05
+    assert learnt.pld == pytest.approx((0.3, 0.5))                # nothing seen: the generic prior
+    config = GraftConfig(priors=json.loads(json.dumps(dataclasses.asdict(learnt))))   # a profile's round trip
+    assert config.priors == learnt
+    with pytest.raises(InputError, match="probabilities"):
+        AcceptancePriors(draft=learnt.draft, retrieval=(0.0,), pld=(0.5,))
+    with pytest.raises(InputError, match="score buckets"):
+        AcceptancePriors(draft=(0.5,), retrieval=(0.5,), pld=(0.5,))

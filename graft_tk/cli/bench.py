@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the methods that prune choose drafting depth and budget per step from the device's cost "
                         "model (--profile's, else measured first, a minute or two); 'both' runs each such method "
                         "fixed and as '<method>:adaptive' in one interleaved run")
+    p.add_argument("--config", action="append", default=[], metavar="NAME=PROFILE.json",
+                   help="also run each method as '<method>@NAME' with this graft-calibrate profile's config as it "
+                        "is (e.g. one tuned on another workload); repeatable")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -124,6 +128,7 @@ def _run(args) -> dict:
     overrides = {k: v for k, v in (("budget", args.budget), ("tau", args.tau), ("top_k", args.top_k),
                                    ("max_depth", args.max_depth)) if v is not None}
     config = GraftConfig(**overrides)
+    named_configs = _named_configs(args.config)
 
     target = load_model(args.model, dtype=args.dtype, device=args.device)
     spec = bench.drafter_spec(args)
@@ -147,7 +152,7 @@ def _run(args) -> dict:
         config = dataclasses.replace(config, cost=cost)
     plan = bench.Plan(target, drafter, config, methods, prompts, args.max_new_tokens, args.temperature,
                       args.seed, args.repeats, HFAnchors(target, drafter, anchors) if anchors else None,
-                      top_p=args.top_p, compile=args.compile, adaptive=args.adaptive)
+                      top_p=args.top_p, compile=args.compile, adaptive=args.adaptive, configs=named_configs)
 
     total = len(prompts) * len(plan.run_names) * args.repeats
     with tqdm(total=total, desc="graft-bench", unit="run", disable=None, file=sys.stderr) as bar:
@@ -168,6 +173,22 @@ def _run(args) -> dict:
                      title=f"{target.name} + {drafter.name if drafter else 'no drafter'}, "
                            f"{report['config']['dtype']}, {len(prompts)} prompts x {args.max_new_tokens} tokens")
     return report
+
+
+def _named_configs(specs: list[str]) -> dict[str, GraftConfig]:
+    """--config NAME=PROFILE.json, repeatable: the profiles' configs by name (read and checked)."""
+    from ..calibration.profiles import read_profile
+    out = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path or not name.replace("-", "").replace("_", "").isalnum():
+            raise InputError(f"--config {spec!r}: expected NAME=PROFILE.json, NAME of letters, digits, - and _")
+        if name in out:
+            raise InputError(f"--config: the name {name!r} is given twice")
+        if not Path(path).is_file():
+            raise InputError(f"--config {spec!r}: no file {path} (graft-calibrate --show lists profiles)")
+        out[name] = read_profile(Path(path)).config
+    return out
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ The device's cost model (``graft_tk.cost``: target and drafter forwards of 1 .. 
 other work) is measured for the held-out check after the search (``--validate``); with it the
 methods that prune choose their depth and budget per step (``graft_tk.policy``), and the profile
 keeps it when that is faster on the held-out prompts.
-``--cost-only`` measures just the cost model (a minute or two) into the pair's profile.
+``--cost-only`` measures just the cost model (a minute or two) into the pair's profile, and the
+acceptance priors: what the drafter's scores, each retrieval rank and each prompt-lookup match
+length are worth on this pair, from decoding the --n-prompts tuning prompts with it.
 """
 from __future__ import annotations
 
@@ -72,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="decode with compiled step forwards (torch.compile; each budget N tried compiles a graph)")
     p.add_argument("--cost-only", action="store_true",
-                   help="only measure the device's cost model into this pair's profile (keeps its config; "
-                        "the default config when there is no profile yet)")
+                   help="only measure the device's cost model and learn the acceptance priors (on --n-prompts "
+                        "prompts) into this pair's profile (keeps its config; the default config when there "
+                        "is no profile yet)")
     p.add_argument("--show", action="store_true", help="list profiles and studies, then exit")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -114,8 +117,7 @@ def run(args) -> int:
     drafter = load_drafter(spec, target, args.model, dtype=args.dtype, device=args.device)
     if args.cost_only:
         return run_cost_only(args, target, drafter)
-    if args.prompts is None:
-        args.prompts = "mix" if spec_bench_path() is not None else "humaneval#6,math"
+    args.prompts = args.prompts or default_prompts()
     tune, held_out = split_prompts(load_prompts(args.prompts), args.n_prompts, args.validate)
     task = search.Task(target=target, drafter=drafter, prompts=tune, validation=held_out,
                        max_new_tokens=args.max_new_tokens, methods=methods, objectives=args.objectives,
@@ -144,9 +146,12 @@ def run(args) -> int:
         method, config = search.config_of(outcome.best)
         chosen = "best"
         if held_out:   # the cost model is kept only where the held-out check finds it faster
-            print("measuring the device's cost model ...", file=sys.stderr)
-            cost = measure_step_cost(target, drafter, config, compile=args.compile,
-                                     progress=lambda msg: print("  " + msg, file=sys.stderr))
+            print("measuring the device's cost model and the acceptance priors ...", file=sys.stderr)
+            say = lambda msg: print("  " + msg, file=sys.stderr)   # noqa: E731
+            cost = measure_step_cost(target, drafter, config, compile=args.compile, progress=say)
+            priors = search.learn_priors(target, drafter, method, dataclasses.replace(config, cost=cost), tune,
+                                         args.max_new_tokens, args.compile, say)
+            config = dataclasses.replace(config, priors=priors)
             adaptive = dataclasses.replace(config, cost=cost)
             default_method, default_config = ("graft" if "graft" in methods else methods[0]), type(config)()
             print(f"held-out check on {len(held_out)} prompts: best vs best adaptive vs default ...",
@@ -183,8 +188,10 @@ def run(args) -> int:
 
 
 def run_cost_only(args, target, drafter) -> int:
-    """Measure the cost model into this pair's profile (its config kept, else the default)."""
+    """Measure the cost model into this pair's profile (its config kept, else the default), then
+    learn the acceptance priors with it on --n-prompts tuning prompts."""
     from ..calibration.profiles import find_profile, profile_key, write_profile
+    from ..calibration.search import learn_priors
     from ..cost import measure_step_cost
 
     directory = Path(args.profile_dir) if args.profile_dir else None
@@ -193,15 +200,32 @@ def run_cost_only(args, target, drafter) -> int:
                                 else ("graft" if drafter is not None else "retrieval", GraftConfig(), {}))
     print(f"measuring the cost model of {target.name} + {drafter.name if drafter else 'no drafter'} "
           f"up to {config.budget} tokens ...", file=sys.stderr)
-    cost = measure_step_cost(target, drafter, config, compile=args.compile,
-                             progress=lambda msg: print("  " + msg, file=sys.stderr))
+    say = lambda msg: print("  " + msg, file=sys.stderr)   # noqa: E731
+    cost = measure_step_cost(target, drafter, config, compile=args.compile, progress=say)
+    config = dataclasses.replace(config, cost=cost)
+    tune, _ = split_prompts(load_prompts(args.prompts or default_prompts()), args.n_prompts, 0)
+    config = dataclasses.replace(config, priors=learn_priors(target, drafter, method, config, tune,
+                                                              args.max_new_tokens, args.compile, say))
     measured = {**measured, "cost_measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds")}
-    path = write_profile(profile_key(target, drafter), method, dataclasses.replace(config, cost=cost), measured,
-                         directory)
+        timespec="seconds"), "priors_prompts": [p.id for p in tune]}
+    path = write_profile(profile_key(target, drafter), method, config, measured, directory)
     print(cost_table(cost))
+    print(priors_table(config.priors))
     print(f"\nprofile: {path} (decode now chooses depth and budget per step for {method})")
     return 0
+
+
+def default_prompts() -> str:
+    """mix = HumanEval, Spec-Bench's categories and math; without Spec-Bench's data, HumanEval and math."""
+    return "mix" if spec_bench_path() is not None else "humaneval#6,math"
+
+
+def priors_table(priors) -> str:
+    """The learnt acceptance priors, one line per source."""
+    fmt = lambda values: ", ".join(f"{x:.2f}" for x in values)   # noqa: E731
+    return (f"acceptance priors: drafted path by score bucket [{fmt(priors.draft)}]; retrieval given its "
+            f"parent, by rank [{fmt(priors.retrieval)}]; prompt lookup given the previous token, by n-gram "
+            f"length [{fmt(priors.pld)}]")
 
 
 def cost_table(cost) -> str:
@@ -255,6 +279,8 @@ def show(args) -> int:
             print(f"    adaptive: cost model of forwards of 1 .. {len(c.cost.verify_ms)} tokens "
                   f"({c.cost.verify_ms[0]:.0f} .. {c.cost.verify_ms[-1]:.0f} ms target), measured "
                   f"{m.get('cost_measured_at', m.get('calibrated_at', '?'))}")
+        if c.priors is not None:
+            print("    " + priors_table(c.priors))
     storage = args.storage or search.default_storage()
     try:
         studies = optuna.get_all_study_summaries(storage)
