@@ -1,0 +1,300 @@
+"""Compile every Triton kernel for real GPUs on a machine without one (sm_80 and sm_90 by default).
+
+    python bench/compile_check.py --arch 80,90 [--quick] [--json OUT]
+
+Triton's interpreter, which runs the kernel tests here, accepts programs the compiler rejects
+(size-1 ranges, dtype mixes, more shared memory than a GPU has). This check compiles what a GPU
+would compile: every op runs on CPU tensors at the shapes decoding uses, with the kernel launch
+replaced by a recorder (nothing executes); each distinct launch — kernel, argument types,
+constexprs (tile sizes included), warps and stages — is compiled with ``triton.compile(ASTSource,
+target=GPUTarget("cuda", arch, 32))`` through the ptxas that ships in the triton wheel, and
+``ptxas -v`` on its PTX gives registers and spills. Integer arguments equal to 1 become
+constexprs as Triton's launcher makes them (unless the kernel says ``do_not_specialize``).
+
+Shapes: vocab 49,152 (SmolLM2) and 151,936 (Qwen2.5); frontiers of 1, 4 and 16 rows; K = 1, 4, 8;
+trees of 1, 16 and 64 nodes; retrieval templates of 1 and 80 nodes with k = 1 and 8; head dim 64
+and 128; GQA groups 1, 2, 7 and 8; fp32 / fp16 / bf16. Tree attention is compiled at its
+heuristic tiles for every shape and, without ``--quick``, at every candidate tile of
+graft-autotune's search space. Exit status 1, naming kernel and config, when a kernel does not
+compile or needs more shared memory than the arch has.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+os.environ["TRITON_INTERPRET"] = "0"   # before graft_tk: its kernels must be jitted, not interpreted
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from graft_tk.kernels import tree_attention as attention_kernel  # noqa: E402
+from graft_tk.adjacency import RetrievalTemplate, default_template, new_adjacency  # noqa: E402
+from graft_tk.autotune import tree_attention as tunable_attention  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cases  # noqa: E402  bench/cases.py: the op benchmark shapes
+
+# Shared memory a block may use (bytes, with the opt-in carve-out): A100 163 KB, H100/H200 227 KB.
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
+          torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+OPTIONS = ("num_warps", "num_stages")
+LAUNCHED = [0]   # launches recorded so far
+KERNEL_MODULES = ("accept", "build_tree", "commit_kv", "draft_expand", "prompt_lookup", "retrieve", "tree_attention")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One distinct launch to compile: the kernel, its signature and constexprs, its options."""
+    kernel: str
+    signature: tuple      # ((name, type), ...), "constexpr" for constexpr parameters
+    constexprs: tuple     # ((name, value), ...)
+    options: tuple        # ((num_warps, w), (num_stages, s)) as the launch passed them
+    shape: str            # the case that first produced it
+
+    def config(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.constexprs + self.options)
+
+
+@dataclass
+class Result:
+    kernel: str
+    shape: str
+    config: str
+    arch: int
+    ok: bool
+    shared_bytes: int | None = None
+    registers: int | None = None
+    spill_bytes: int | None = None
+    compile_s: float = 0.0
+    error: str | None = None
+
+
+# ----------------------------------------------------------------------------- recording launches
+def _type_of(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def _describe(fn, args: tuple, kwargs: dict, shape: str) -> Launch:
+    values = dict(zip(fn.arg_names, args))
+    values.update({k: v for k, v in kwargs.items() if k not in OPTIONS})
+    signature, constexprs = [], []
+    for p in fn.params:
+        value = values[p.name] if p.name in values else p.default
+        specialised = (isinstance(value, int) and not isinstance(value, bool) and value == 1
+                       and not p.do_not_specialize)
+        if p.is_constexpr or value is None or specialised:
+            signature.append((p.name, "constexpr"))
+            constexprs.append((p.name, value))
+        else:
+            signature.append((p.name, _type_of(value)))
+    options = tuple((k, kwargs[k]) for k in OPTIONS if k in kwargs)
+    return Launch(fn.__name__, tuple(signature), tuple(constexprs), options, shape)
+
+
+@contextmanager
+def recording(shape: str, into: dict):
+    """Replace every kernel module's ``launch`` with a recorder for the duration (nothing runs)."""
+    import importlib
+    modules = [importlib.import_module(f"graft_tk.kernels.{m}") for m in KERNEL_MODULES]
+    saved = [(m, m.launch) for m in modules]
+
+    def record(kernel, grid, *args, **kwargs):
+        LAUNCHED[0] += 1
+        launch = _describe(kernel, args, kwargs, shape)
+        into.setdefault((launch.kernel, launch.signature, launch.constexprs, launch.options), launch)
+
+    for m in modules:
+        m.launch = record
+    try:
+        yield
+    finally:
+        for m, f in saved:
+            m.launch = f
+
+
+# ----------------------------------------------------------------------------- the shapes
+def op_calls(quick: bool):
+    """(label, kernel module, function name, argument builder) for every shape checked."""
+    vocabs = (151936,) if quick else (49152, 151936)
+    for V in vocabs:
+        for F in ((1, 4) if quick else (1, 4, 16)):
+            for K in ((4,) if quick else (1, 4, 8)):
+                def build(F=F, V=V, K=K):
+                    scores, logits, _, log_tau = cases._draft_expand(F, V)("cpu")
+                    return scores, logits, K, log_tau
+                yield f"F={F} V={V} K={K}", "draft_expand", build
+        for N in (1, 16, 64):
+            for temperature, top_p in ((0.0, 1.0), (0.7, 0.9)):
+                for with_adj in (True, False):
+                    def build(N=N, V=V, temperature=temperature, top_p=top_p, with_adj=with_adj):
+                        args = list(cases._accept(N, V, temperature, top_p)("cpu"))
+                        args[2] = args[2] if with_adj else None
+                        return tuple(args)
+                    yield (f"N={N} V={V} T={temperature} top_p={top_p} adjacency={'on' if with_adj else 'off'}",
+                           "accept", build)
+    for k, template in ((8, default_template(8)), (1, RetrievalTemplate(torch.tensor([-1]), torch.tensor([0]), 1))):
+        yield (f"T={template.n} k={k}", "retrieve",
+               lambda k=k, template=template: (new_adjacency(1024, k), torch.tensor(7), template))
+    for N in (1, 16, 64):
+        yield f"P=84 C=90 N={N}", "build_tree", lambda N=N: cases._build_tree(N)("cpu")
+    for dtype in ((torch.float32, torch.bfloat16) if quick else (torch.float32, torch.float16, torch.bfloat16)):
+        for d in (64, 128):
+            for n in (1, 6):
+                yield (f"{str(dtype)[6:]} d{d} n={n}", "commit_kv",
+                       lambda dtype=dtype, d=d, n=n: cases._commit_kv(2, 2, 512, d, n, dtype)("cpu"))
+            for group in ((1, 7) if quick else (1, 2, 7, 8)):
+                for T in ((1, 64) if quick else (1, 16, 64)):
+                    yield (f"{str(dtype)[6:]} d{d} group {group} T={T}", "tree_attention",
+                           lambda dtype=dtype, d=d, group=group, T=T:
+                           cases._tree_attention(T, 512, dtype, hq=2 * group, hkv=2, d=d)("cpu"))
+    for committed in (256, 4096):
+        yield f"context {committed}", "prompt_lookup", lambda committed=committed: cases._prompt_lookup(committed)("cpu")
+
+
+def record_launches(quick: bool) -> list[Launch]:
+    """Every distinct launch of every op at every shape. An op that fails before its first launch
+    (a bad shape, a wrapper error) raises: a kernel must never drop out of the check unseen."""
+    import importlib
+    found: dict = {}
+    for label, module, build in op_calls(quick):
+        op = getattr(importlib.import_module(f"graft_tk.kernels.{module}"), module)
+        before = LAUNCHED[0]
+        with recording(f"{module} {label}", found), torch.no_grad():
+            try:
+                op(*build())
+            except Exception as e:   # outputs are never written, so reading them back may fail afterwards
+                if LAUNCHED[0] == before:
+                    raise RuntimeError(f"{module} [{label}] failed before launching a kernel: {e}") from e
+    if not quick:   # every candidate tile of graft-autotune's search space
+        for dtype in ("bfloat16", "float16", "float32"):
+            for d in (64, 128):
+                for rows in (16, 64, 128):
+                    bucket = tunable_attention.bucket(rows, d, 1024, dtype)
+                    q, k, v, prefix, mask, scale = tunable_attention.inputs(bucket, "cpu")
+                    out = torch.empty_like(q)
+                    for config in tunable_attention.configs(bucket):
+                        with recording(f"tree_attention autotune {bucket}", found):
+                            attention_kernel._launch(q, k, v, prefix, mask, scale, out, config)
+    return list(found.values())
+
+
+# ----------------------------------------------------------------------------- compiling
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
+    """(registers, spill bytes) from ``ptxas -v`` on the PTX."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        run = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", src, "-o", os.path.join(tmp, "k.o")],
+                             capture_output=True, text=True)
+    text = run.stdout + run.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", text)]
+    return (int(regs.group(1)) if regs else None), (max(spills) if spills else None)
+
+
+def compile_one(launch: Launch, arch: int) -> Result:
+    fn = _kernel_by_name(launch.kernel)
+    names = [p.name for p in fn.params]
+    result = Result(launch.kernel, launch.shape, launch.config(), arch, ok=False)
+    t0 = time.perf_counter()
+    try:
+        src = ASTSource(fn=fn, signature=dict(launch.signature),
+                        constexprs={(names.index(k),): v for k, v in launch.constexprs})
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
+        result.compile_s = time.perf_counter() - t0
+        result.shared_bytes = compiled.metadata.shared
+        result.registers, result.spill_bytes = _ptxas_usage(compiled.asm["ptx"], arch)
+        limit = SHARED_LIMIT.get(arch)
+        if limit is not None and result.shared_bytes > limit:
+            result.error = f"needs {result.shared_bytes} bytes of shared memory, sm_{arch} has {limit}"
+        else:
+            result.ok = True
+    except Exception as e:   # noqa: BLE001 - every failure is reported, named
+        result.compile_s = time.perf_counter() - t0
+        result.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:400]
+    return result
+
+
+def _kernel_by_name(name: str):
+    import importlib
+    for m in KERNEL_MODULES:
+        fn = getattr(importlib.import_module(f"graft_tk.kernels.{m}"), name, None)
+        if fn is not None:
+            return fn
+    raise LookupError(f"no kernel named {name}")
+
+
+def summary_table(results: list[Result]) -> str:
+    """Per kernel and arch: configs compiled, failures, max shared memory / registers / spills, compile time."""
+    rows = {}
+    for r in results:
+        rows.setdefault((r.kernel, r.arch), []).append(r)
+    lines = ["| kernel | arch | configs | failed | max shared | max registers | max spills | compile s (total) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (kernel, arch), rs in sorted(rows.items()):
+        ok = [r for r in rs if r.ok]
+        shared = max((r.shared_bytes or 0 for r in ok), default=0)
+        regs = max((r.registers or 0 for r in ok), default=0)
+        spills = max((r.spill_bytes or 0 for r in ok), default=0)
+        lines.append(f"| {kernel.strip('_')} | sm_{arch} | {len(rs)} | {len(rs) - len(ok)} | {shared / 1024:.1f} KB | "
+                     f"{regs} | {spills} B | {sum(r.compile_s for r in rs):.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="80,90", help="comma list of compute capabilities (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and no autotune candidates (CI)")
+    p.add_argument("--json", default=None, metavar="OUT", help="every compile's result")
+    args = p.parse_args(argv)
+    try:
+        archs = [int(a) for a in args.arch.split(",") if a.strip()]
+    except ValueError:
+        p.error(f"--arch must be a comma list of integers like 80,90, got {args.arch!r}")
+    t0 = time.perf_counter()
+    launches = record_launches(args.quick)
+    print(f"{len(launches)} distinct launches recorded; compiling for {', '.join(f'sm_{a}' for a in archs)} ...",
+          file=sys.stderr)
+    results = []
+    for i, launch in enumerate(launches):
+        for arch in archs:
+            results.append(compile_one(launch, arch))
+        print(f"\r  {i + 1}/{len(launches)}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    print(summary_table(results))
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        print(f"FAILED {r.kernel} sm_{r.arch} [{r.shape}] {r.config}: {r.error}")
+    print(f"\n{len(results)} compiles, {len(failed)} failed, {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"archs": archs, "quick": args.quick, "triton": triton.__version__,
+                       "results": [asdict(r) for r in results]}, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
