@@ -45,7 +45,7 @@ def configs(bucket: str) -> list[dict]:
 
 def heuristic(bucket: str) -> dict:
     b = parse_bucket(bucket)
-    return block_sizes(b["rows"], b["head_dim"])
+    return block_sizes(b["rows"], b["head_dim"], b["dtype"])
 
 
 def inputs(bucket: str, device: torch.device | str = "cuda") -> tuple:

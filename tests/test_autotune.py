@@ -297,7 +297,7 @@ def test_tree_attention_buckets_and_candidates():
     for rows in (1, 6, 54, 70, 500, 5000):
         for d in (64, 256):
             bucket = shape_bucket(rows, d, 3000, torch.float16)
-            assert ta_tunable.heuristic(bucket) == block_sizes(rows, d)   # one heuristic per bucket
+            assert ta_tunable.heuristic(bucket) == block_sizes(rows, d, torch.float16)   # one heuristic per bucket
             configs = ta_tunable.configs(bucket)
             assert configs and len({json.dumps(c, sort_keys=True) for c in configs}) == len(configs)
             for c in configs:

@@ -154,8 +154,12 @@ def test_bad_arguments_raise():
 def test_block_sizes_are_powers_of_two():
     for rows in (1, 6, 54, 70, 500):
         for d in (16, 64, 128, 256):
-            meta = block_sizes(rows, d)
-            assert all(meta[b] & (meta[b] - 1) == 0 and meta[b] >= 16 for b in ("BLOCK_M", "BLOCK_N"))
+            for dtype in (torch.bfloat16, torch.float32):
+                meta = block_sizes(rows, d, dtype)
+                assert all(meta[b] & (meta[b] - 1) == 0 and meta[b] >= 16 for b in ("BLOCK_M", "BLOCK_N"))
+    # fp32 (FMA dots, whole tiles in registers) takes smaller tiles than bf16 at the same shape
+    assert block_sizes(64, 128, torch.float32)["BLOCK_M"] * block_sizes(64, 128, torch.float32)["BLOCK_N"] < \
+        block_sizes(64, 128, torch.bfloat16)["BLOCK_M"] * block_sizes(64, 128, torch.bfloat16)["BLOCK_N"]
 
 
 # ----------------------------------------------------------------------------- model level

@@ -116,18 +116,23 @@ def _tree_attention_kernel(
              out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
-def block_sizes(rows: int, head_dim: int) -> dict:
+def block_sizes(rows: int, head_dim: int, dtype: torch.dtype | str = torch.bfloat16) -> dict:
     """Heuristic tile sizes for ``rows = (Hq // Hkv) * T`` flattened query rows.
 
     Used on CPU / under the interpreter, and on a GPU whose shape bucket has no tuned config
     (graft-autotune; candidates in ``graft_tk.autotune.tree_attention``). BLOCK_M covers
     the rows of a decode step or a tree verify (<= 64 nodes x group) in one program, 16 at least
     (tl.dot's minimum); BLOCK_N = 64 keys per tile, 32 at head_dim 256 to bound the K/V tiles'
-    registers (2 x 32 x 256 fp16 = 32 KB).
+    registers (2 x 32 x 256 fp16 = 32 KB). fp32, the exactness path, whose ``ieee`` dots run on
+    FMA units with whole tiles in registers, takes 32-key tiles, at most 32 rows from head dim 128
+    and 8 warps for 64 rows: its 64 x 64 tiles spill 20-50 KB per thread on sm_80 and sm_90,
+    these <= 280 B (``bench/compile_check.py``).
     """
-    block_m = min(max(next_pow2(rows), 16), 64)
-    block_n = 32 if head_dim >= 256 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m * head_dim <= 64 * 64 else 8, num_stages=2)
+    fp32 = str(dtype).removeprefix("torch.") == "float32"
+    block_m = min(max(next_pow2(rows), 16), 32 if fp32 and head_dim >= 128 else 64)
+    block_n = 32 if head_dim >= 256 or fp32 else 64
+    wide = block_m * head_dim > 64 * 64 or (fp32 and block_m >= 64)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8 if wide else 4, num_stages=2)
 
 
 def shape_bucket(rows: int, head_dim: int, kv_len: int, dtype: torch.dtype | str) -> str:
@@ -163,7 +168,7 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tenso
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
-    meta = block_sizes(rows, D)
+    meta = block_sizes(rows, D, q.dtype)
     if not interpreted():  # on a GPU: this GPU's tuned tiles for the shape bucket, if any (graft-autotune)
         meta = select("tree_attention", shape_bucket(rows, D, prefix_len + mask.shape[1], q.dtype), meta, q.device)
     _launch(q, k, v, prefix_len, mask, scale, out, meta)
