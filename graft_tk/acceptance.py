@@ -20,9 +20,10 @@ is on the nodes it adds.
 Counts decay by ``DECAY`` per step, so the estimates follow a change of workload within a few
 dozen steps; each prior weighs ``PRIOR_WEIGHT`` observations. ``AcceptancePriors`` learnt on the
 pair (``graft-calibrate``, kept in the profile's config) replace the generic priors above and
-weigh ``LEARNT_PRIOR_WEIGHT``: a fresh engine then starts from what this drafter and this
-adjacency matrix are actually worth, not from a guess it needs a few dozen steps to unlearn. Everything stays on the device
-in fixed shapes: reading the estimates and updating them never waits for the host.
+weigh what the calibration run saw of each, up to ``LEARNT_PRIOR_WEIGHT``: a fresh engine then starts from what this drafter and this
+adjacency matrix are actually worth, not from a guess it needs a few dozen steps to unlearn.
+Everything stays on the device in fixed shapes: reading the estimates and updating them never
+waits for the host.
 """
 from __future__ import annotations
 
@@ -43,24 +44,35 @@ DECAY = 0.98
 
 @dataclass(frozen=True)
 class AcceptancePriors:
-    """What the estimates start from, learnt on a model pair (``AcceptanceEstimates.learnt``)."""
+    """What the estimates start from, learnt on a model pair (``AcceptanceEstimates.learnt``): each
+    rate with the observations it counts as, from ``PRIOR_WEIGHT`` (nothing seen: the generic
+    guess) up to ``LEARNT_PRIOR_WEIGHT``."""
     draft: tuple[float, ...]      # P(drafted path accepted) per score bucket, len(SCORE_EDGES) + 1, non-decreasing
     retrieval: tuple[float, ...]  # P(accepted | parent accepted) by rank 0, 1, ... (the last repeats)
     pld: tuple[float, ...]        # P(accepted | previous accepted) by matched n-gram length 1, 2, ... (the last repeats)
+    draft_weight: tuple[float, ...]
+    retrieval_weight: tuple[float, ...]
+    pld_weight: tuple[float, ...]
 
     def __post_init__(self):
         for name in ("draft", "retrieval", "pld"):
             v = tuple(float(x) for x in getattr(self, name))
+            w = tuple(float(x) for x in getattr(self, name + "_weight"))
             if not v or not all(0.0 < x <= 1.0 for x in v):
                 raise InputError(f"AcceptancePriors.{name} must be probabilities in (0, 1], got {v!r}")
+            if len(w) != len(v) or not all(PRIOR_WEIGHT <= x <= LEARNT_PRIOR_WEIGHT for x in w):
+                raise InputError(f"AcceptancePriors.{name}_weight must hold one weight in [{PRIOR_WEIGHT}, "
+                                 f"{LEARNT_PRIOR_WEIGHT}] per rate, got {w!r}")
             object.__setattr__(self, name, v)
+            object.__setattr__(self, name + "_weight", w)
         if len(self.draft) != len(SCORE_EDGES) + 1:
             raise InputError(f"AcceptancePriors.draft needs {len(SCORE_EDGES) + 1} score buckets, got "
                              f"{len(self.draft)}: relearn with graft-calibrate --cost-only")
 
-    @staticmethod
-    def _by(values: tuple[float, ...], index: Tensor) -> Tensor:
-        return torch.tensor(values, device=index.device)[index.clamp(max=len(values) - 1)]
+
+def _lookup(values: tuple[float, ...], index: Tensor) -> Tensor:
+    """values[index], the last value repeating past the end."""
+    return torch.tensor(values, device=index.device)[index.clamp(max=len(values) - 1)]
 
 
 def isotonic_fit(rate: Tensor, weight: Tensor) -> Tensor:
@@ -87,31 +99,38 @@ class AcceptanceEstimates:
         B, T, G, L = len(SCORE_EDGES) + 1, template.n, pld_max_ngram, pld_tokens
         self.template = template
         ranks, ngrams = template.ranks.to(device).long(), torch.arange(G, device=device)
+        # each prior and the observations it counts as: [B], [T], [G, L]
         if priors is None:
             mids = torch.tensor((SCORE_EDGES[0] - 1.0,) + tuple((a + b) / 2 for a, b in zip(SCORE_EDGES, SCORE_EDGES[1:]))
                                 + (SCORE_EDGES[-1] / 2,), device=device)
-            self.draft_prior = mids.exp()                                   # [B]
-            self.retrieval_prior = 0.4 * 0.6 ** ranks.float()               # [T]
-            pld_prior = (0.3 + 0.2 * ngrams.float()).clamp(max=0.7)         # [G]
-            self.prior_weight = PRIOR_WEIGHT
+            self.draft_prior = mids.exp()
+            self.retrieval_prior = 0.4 * 0.6 ** ranks.float()
+            pld_prior = (0.3 + 0.2 * ngrams.float()).clamp(max=0.7)
+            self.draft_w = torch.full((B,), PRIOR_WEIGHT, device=device)
+            self.retrieval_w = torch.full((T,), PRIOR_WEIGHT, device=device)
+            pld_w = torch.full((G,), PRIOR_WEIGHT, device=device)
         else:
             self.draft_prior = torch.tensor(priors.draft, device=device)
-            self.retrieval_prior = AcceptancePriors._by(priors.retrieval, ranks)
-            pld_prior = AcceptancePriors._by(priors.pld, ngrams)
-            self.prior_weight = LEARNT_PRIOR_WEIGHT
-        self.pld_prior = pld_prior[:, None].expand(G, L)
+            self.retrieval_prior = _lookup(priors.retrieval, ranks)
+            pld_prior = _lookup(priors.pld, ngrams)
+            self.draft_w = torch.tensor(priors.draft_weight, device=device)
+            self.retrieval_w = _lookup(priors.retrieval_weight, ranks)
+            pld_w = _lookup(priors.pld_weight, ngrams)
+        self.pld_prior, self.pld_w = pld_prior[:, None].expand(G, L), pld_w[:, None].expand(G, L)
         # (trials, accepted) counts, decayed each step
         self.draft_n, self.draft_acc = torch.zeros(B, device=device), torch.zeros(B, device=device)
         self.retrieval_n, self.retrieval_acc = torch.zeros(T, device=device), torch.zeros(T, device=device)
         self.pld_n, self.pld_acc = torch.zeros(G, L, device=device), torch.zeros(G, L, device=device)
 
     # ----------------------------------------------------------------- estimates (log P)
-    def _rate(self, acc: Tensor, n: Tensor, prior: Tensor) -> Tensor:
-        return (acc + self.prior_weight * prior) / (n + self.prior_weight)
+    @staticmethod
+    def _rate(acc: Tensor, n: Tensor, prior: Tensor, weight: Tensor) -> Tensor:
+        return (acc + weight * prior) / (n + weight)
 
     def draft_rates(self) -> Tensor:
         """P(a drafted node is accepted) per score bucket [B], non-decreasing in the score."""
-        return isotonic_fit(self._rate(self.draft_acc, self.draft_n, self.draft_prior), self.draft_n + self.prior_weight)
+        return isotonic_fit(self._rate(self.draft_acc, self.draft_n, self.draft_prior, self.draft_w),
+                            self.draft_n + self.draft_w)
 
     def draft_values(self, scores: Tensor) -> Tensor:
         """log P(accepted) of drafted nodes with these drafter scores (cumulative log-probs)."""
@@ -119,13 +138,13 @@ class AcceptanceEstimates:
 
     def retrieval_values(self) -> Tensor:
         """log P(accepted | tree parent accepted) of every retrieval template position [T]."""
-        return self._rate(self.retrieval_acc, self.retrieval_n, self.retrieval_prior).log()
+        return self._rate(self.retrieval_acc, self.retrieval_n, self.retrieval_prior, self.retrieval_w).log()
 
     def pld_values(self, ngram: int | Tensor) -> Tensor:
         """log P(chain position d accepted | position d - 1 accepted) [L] after a matched n-gram of
         length ``ngram`` (an int or a 0-d device tensor; 0 = no match, valued as 1)."""
         g = self._ngram_row(ngram)
-        return self._rate(self.pld_acc[g], self.pld_n[g], self.pld_prior[g]).log()
+        return self._rate(self.pld_acc[g], self.pld_n[g], self.pld_prior[g], self.pld_w[g]).log()
 
     def _ngram_row(self, ngram: int | Tensor) -> Tensor:
         return torch.as_tensor(ngram, device=self.device).clamp(1, self.pld_n.shape[0]) - 1
@@ -177,18 +196,25 @@ class AcceptanceEstimates:
     def learnt(self) -> AcceptancePriors:
         """The priors these counts support (run with ``decay=1`` to learn from a whole calibration
         run): drafted rates per score bucket, retrieval rates pooled by rank, prompt-lookup rates
-        pooled over chain positions per n-gram length; each still leans on its prior where the run
-        saw little. Syncs."""
+        pooled over chain positions per n-gram length, each weighing what was seen of it (a rate
+        the run never observed stays the guess it was, at the weight it had). Syncs."""
         def probs(t: Tensor) -> tuple[float, ...]:
             return tuple(round(min(max(x, 1e-4), 1.0), 6) for x in t.tolist())
 
+        def weights(prior_w: Tensor, n: Tensor) -> tuple[float, ...]:
+            return tuple(round(x, 3) for x in (prior_w + n).clamp(max=LEARNT_PRIOR_WEIGHT).tolist())
+
         ranks = self.template.ranks.to(self.device).long()
         by_rank = lambda t: torch.zeros(int(ranks.max()) + 1, device=self.device).index_add_(0, ranks, t)  # noqa: E731
-        rank_prior = by_rank(self.retrieval_prior) / by_rank(torch.ones_like(self.retrieval_prior)).clamp(min=1)
+        per_rank = by_rank(torch.ones_like(self.retrieval_prior)).clamp(min=1)
+        rank_prior, rank_w = by_rank(self.retrieval_prior) / per_rank, by_rank(self.retrieval_w) / per_rank
+        retrieval_n, pld_n = by_rank(self.retrieval_n), self.pld_n.sum(1)
         return AcceptancePriors(
             draft=probs(self.draft_rates()),
-            retrieval=probs(self._rate(by_rank(self.retrieval_acc), by_rank(self.retrieval_n), rank_prior)),
-            pld=probs(self._rate(self.pld_acc.sum(1), self.pld_n.sum(1), self.pld_prior[:, 0])))
+            retrieval=probs(self._rate(by_rank(self.retrieval_acc), retrieval_n, rank_prior, rank_w)),
+            pld=probs(self._rate(self.pld_acc.sum(1), pld_n, self.pld_prior[:, 0], self.pld_w[:, 0])),
+            draft_weight=weights(self.draft_w, self.draft_n), retrieval_weight=weights(rank_w, retrieval_n),
+            pld_weight=weights(self.pld_w[:, 0], pld_n))
 
     def summary(self) -> dict:
         """Host copy of the current estimates (for stats and reports; syncs): drafted paths by score

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import graft_tk
-from graft_tk.acceptance import SCORE_EDGES, AcceptanceEstimates, AcceptancePriors
+from graft_tk.acceptance import (LEARNT_PRIOR_WEIGHT, PRIOR_WEIGHT, SCORE_EDGES, AcceptanceEstimates,
+                                 AcceptancePriors)
 from graft_tk.adjacency import template_from_level_sizes
 from graft_tk.calibration.profiles import read_profile, write_profile, profile_key
 from graft_tk.config import PRUNES, GraftConfig
@@ -174,10 +175,17 @@ def test_learnt_priors_follow_the_counts_and_are_validated():
     est.retrieval_acc += torch.tensor([50.0, 0.0, 0.0])
     learnt = est.learnt()
     assert learnt.retrieval[0] > 0.9 and learnt.retrieval[1] < 0.05
-    assert learnt.pld == pytest.approx((0.3, 0.5))                # nothing seen: the generic prior
+    assert learnt.retrieval_weight == (LEARNT_PRIOR_WEIGHT, LEARNT_PRIOR_WEIGHT)
+    # nothing seen: the generic guess, weighing no more than it did
+    assert learnt.pld == pytest.approx((0.3, 0.5)) and learnt.pld_weight == (PRIOR_WEIGHT, PRIOR_WEIGHT)
     config = GraftConfig(priors=json.loads(json.dumps(dataclasses.asdict(learnt))))   # a profile's round trip
     assert config.priors == learnt
+    started = AcceptanceEstimates(template, 3, 2, "cpu", config.priors)
+    assert started.retrieval_values().exp()[:2].tolist() == pytest.approx(learnt.retrieval, rel=1e-5)
+    fields = dataclasses.asdict(learnt)
     with pytest.raises(InputError, match="probabilities"):
-        AcceptancePriors(draft=learnt.draft, retrieval=(0.0,), pld=(0.5,))
+        AcceptancePriors(**{**fields, "retrieval": (0.0, 0.5)})
     with pytest.raises(InputError, match="score buckets"):
-        AcceptancePriors(draft=(0.5,), retrieval=(0.5,), pld=(0.5,))
+        AcceptancePriors(**{**fields, "draft": (0.5,), "draft_weight": (2.0,)})
+    with pytest.raises(InputError, match="one weight"):
+        AcceptancePriors(**{**fields, "pld_weight": (100.0, 2.0)})

@@ -153,7 +153,7 @@ def run(args) -> int:
                                          args.max_new_tokens, args.compile, say)
             config = dataclasses.replace(config, priors=priors)
             adaptive = dataclasses.replace(config, cost=cost)
-            default_method, default_config = ("graft" if "graft" in methods else methods[0]), type(config)()
+            default_method, default_config = ("graft" if "graft" in methods else methods[0]), GraftConfig(priors=priors)
             print(f"held-out check on {len(held_out)} prompts: best vs best adaptive vs default ...",
                   file=sys.stderr)
             candidates = {"best": (method, config), "best_adaptive": (method, adaptive),
