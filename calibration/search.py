@@ -232,9 +232,11 @@ def reference_outputs(task: Task, prompts: list[Prompt]) -> tuple[list[list[int]
 def learn_priors(target: Model, drafter: Model | Eagle3Head | None, method: str, config: GraftConfig,
                  prompts: list[Prompt], max_new_tokens: int, compile: bool = False,
                  progress: Callable[[str], None] | None = None) -> AcceptancePriors:
-    """The pair's acceptance priors: one engine decodes ``prompts`` with ``config`` (its cost model
-    too, so the counts come from the trees the adaptive policy builds), counting every step
-    undecayed, and returns what the counts support (``AcceptanceEstimates.learnt``)."""
+    """The pair's acceptance priors: one engine decodes ``prompts`` with ``config`` fixed (without
+    its cost model: full trees at the budget, so every source and score bucket gets tried, where
+    the adaptive policy may never try one), counting every step undecayed, and returns what the
+    counts support (``AcceptanceEstimates.learnt``)."""
+    config = dataclasses.replace(config, cost=None)
     engine = Engine(target, drafter if method in USES_DRAFTER else None, config, compile=compile)
     engine.estimates = AcceptanceEstimates(engine.template, config.pld_tokens, config.pld_max_ngram, target.device,
                                            decay=1.0)

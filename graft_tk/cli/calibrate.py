@@ -15,7 +15,7 @@ methods that prune choose their depth and budget per step (``graft_tk.policy``),
 keeps it when that is faster on the held-out prompts.
 ``--cost-only`` measures just the cost model (a minute or two) into the pair's profile, and the
 acceptance priors: what the drafter's scores, each retrieval rank and each prompt-lookup match
-length are worth on this pair, from decoding the --n-prompts tuning prompts with it.
+length are worth on this pair, from decoding the --n-prompts tuning prompts at the full budget.
 """
 from __future__ import annotations
 
@@ -149,8 +149,7 @@ def run(args) -> int:
             print("measuring the device's cost model and the acceptance priors ...", file=sys.stderr)
             say = lambda msg: print("  " + msg, file=sys.stderr)   # noqa: E731
             cost = measure_step_cost(target, drafter, config, compile=args.compile, progress=say)
-            priors = search.learn_priors(target, drafter, method, dataclasses.replace(config, cost=cost), tune,
-                                         args.max_new_tokens, args.compile, say)
+            priors = search.learn_priors(target, drafter, method, config, tune, args.max_new_tokens, args.compile, say)
             config = dataclasses.replace(config, priors=priors)
             adaptive = dataclasses.replace(config, cost=cost)
             default_method, default_config = ("graft" if "graft" in methods else methods[0]), GraftConfig(priors=priors)
@@ -202,10 +201,9 @@ def run_cost_only(args, target, drafter) -> int:
           f"up to {config.budget} tokens ...", file=sys.stderr)
     say = lambda msg: print("  " + msg, file=sys.stderr)   # noqa: E731
     cost = measure_step_cost(target, drafter, config, compile=args.compile, progress=say)
-    config = dataclasses.replace(config, cost=cost)
     tune, _ = split_prompts(load_prompts(args.prompts or default_prompts()), args.n_prompts, 0)
-    config = dataclasses.replace(config, priors=learn_priors(target, drafter, method, config, tune,
-                                                              args.max_new_tokens, args.compile, say))
+    priors = learn_priors(target, drafter, method, config, tune, args.max_new_tokens, args.compile, say)
+    config = dataclasses.replace(config, cost=cost, priors=priors)
     measured = {**measured, "cost_measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "priors_prompts": [p.id for p in tune]}
     path = write_profile(profile_key(target, drafter), method, config, measured, directory)
