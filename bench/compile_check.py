@@ -21,6 +21,7 @@ compile or needs more shared memory than the arch has.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -51,7 +52,6 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
           torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 OPTIONS = ("num_warps", "num_stages")
-LAUNCHED = [0]   # launches recorded so far
 KERNEL_MODULES = ("accept", "build_tree", "commit_kv", "draft_expand", "prompt_lookup", "retrieve", "tree_attention")
 
 
@@ -63,6 +63,11 @@ class Launch:
     constexprs: tuple     # ((name, value), ...)
     options: tuple        # ((num_warps, w), (num_stages, s)) as the launch passed them
     shape: str            # the case that first produced it
+
+    @property
+    def key(self) -> tuple:
+        """What makes two launches one compile (the shape that produced them does not)."""
+        return self.kernel, self.signature, self.constexprs, self.options
 
     def config(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.constexprs + self.options)
@@ -113,16 +118,13 @@ def _describe(fn, args: tuple, kwargs: dict, shape: str) -> Launch:
 
 
 @contextmanager
-def recording(shape: str, into: dict):
+def recording(shape: str, into: list):
     """Replace every kernel module's ``launch`` with a recorder for the duration (nothing runs)."""
-    import importlib
     modules = [importlib.import_module(f"graft_tk.kernels.{m}") for m in KERNEL_MODULES]
     saved = [(m, m.launch) for m in modules]
 
     def record(kernel, grid, *args, **kwargs):
-        LAUNCHED[0] += 1
-        launch = _describe(kernel, args, kwargs, shape)
-        into.setdefault((launch.kernel, launch.signature, launch.constexprs, launch.options), launch)
+        into.append(_describe(kernel, args, kwargs, shape))
 
     for m in modules:
         m.launch = record
@@ -175,16 +177,15 @@ def op_calls(quick: bool):
 def record_launches(quick: bool) -> list[Launch]:
     """Every distinct launch of every op at every shape. An op that fails before its first launch
     (a bad shape, a wrapper error) raises: a kernel must never drop out of the check unseen."""
-    import importlib
-    found: dict = {}
+    recorded: list[Launch] = []
     for label, module, build in op_calls(quick):
         op = getattr(importlib.import_module(f"graft_tk.kernels.{module}"), module)
-        before = LAUNCHED[0]
-        with recording(f"{module} {label}", found), torch.no_grad():
+        before = len(recorded)
+        with recording(f"{module} {label}", recorded), torch.no_grad():
             try:
                 op(*build())
             except Exception as e:   # outputs are never written, so reading them back may fail afterwards
-                if LAUNCHED[0] == before:
+                if len(recorded) == before:
                     raise RuntimeError(f"{module} [{label}] failed before launching a kernel: {e}") from e
     if not quick:   # every candidate tile of graft-autotune's search space
         for dtype in ("bfloat16", "float16", "float32"):
@@ -194,9 +195,12 @@ def record_launches(quick: bool) -> list[Launch]:
                     q, k, v, prefix, mask, scale = tunable_attention.inputs(bucket, "cpu")
                     out = torch.empty_like(q)
                     for config in tunable_attention.configs(bucket):
-                        with recording(f"tree_attention autotune {bucket}", found):
+                        with recording(f"tree_attention autotune {bucket}", recorded):
                             attention_kernel._launch(q, k, v, prefix, mask, scale, out, config)
-    return list(found.values())
+    distinct: dict = {}
+    for launch in recorded:
+        distinct.setdefault(launch.key, launch)
+    return list(distinct.values())
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -239,7 +243,6 @@ def compile_one(launch: Launch, arch: int) -> Result:
 
 
 def _kernel_by_name(name: str):
-    import importlib
     for m in KERNEL_MODULES:
         fn = getattr(importlib.import_module(f"graft_tk.kernels.{m}"), name, None)
         if fn is not None:

@@ -25,7 +25,7 @@ import optuna
 
 from graft_tk import __version__
 from graft_tk._fs import graft_home
-from graft_tk.acceptance import AcceptanceEstimates, AcceptancePriors
+from graft_tk.acceptance import AcceptancePriors
 from graft_tk.config import USES_DRAFTER, USES_RETRIEVAL, GraftConfig
 from graft_tk.bench import cold_decode
 from graft_tk.decode import decode, encode_prompt
@@ -238,8 +238,7 @@ def learn_priors(target: Model, drafter: Model | Eagle3Head | None, method: str,
     counts support (``AcceptanceEstimates.learnt``)."""
     config = dataclasses.replace(config, cost=None)
     engine = Engine(target, drafter if method in USES_DRAFTER else None, config, compile=compile)
-    engine.estimates = AcceptanceEstimates(engine.template, config.pld_tokens, config.pld_max_ngram, target.device,
-                                           decay=1.0)
+    engine.estimates.decay = 1.0
     for i, prompt in enumerate(prompts):
         if progress:
             progress(f"acceptance priors: prompt {i + 1}/{len(prompts)} ({prompt.id})")

@@ -23,8 +23,9 @@ cost model (``graft_tk.cost.StepCost``) and the acceptance estimates (``graft_tk
       (sum of the n - 1 likeliest candidates' P(accepted))  -  R * verify_ms[n]
   since the expected number of accepted nodes of a tree is the sum of its nodes' P(on the
   accepted path), over the nodes of the tree built at N (a token two sources propose counts
-  once); the tree is then rebuilt at n. Where a verify is nearly flat in n (a GPU) this is the full budget; where it
-  is steep (this AVX2 CPU, quantized weights) it shrinks, down to n = 1: a plain decoding step.
+  once); the tree is then rebuilt at n. Where a verify is nearly flat in n (a GPU) this is the
+  full budget; where it is steep (this AVX2 CPU, quantized weights) it shrinks, down to n = 1: a
+  plain decoding step.
 
 R is counted in the cost model's milliseconds of the steps taken, not the clock, so the choices
 are reproducible. It starts at plain decoding's rate (one token per one-token verify plus a

@@ -13,7 +13,7 @@ The device's cost model (``graft_tk.cost``: target and drafter forwards of 1 .. 
 other work) is measured for the held-out check after the search (``--validate``); with it the
 methods that prune choose their depth and budget per step (``graft_tk.policy``), and the profile
 keeps it when that is faster on the held-out prompts.
-``--cost-only`` measures just the cost model (a minute or two) into the pair's profile, and the
+``--cost-only`` measures just the cost model (a minute or two) into the pair's profile, then the
 acceptance priors: what the drafter's scores, each retrieval rank and each prompt-lookup match
 length are worth on this pair, from decoding the --n-prompts tuning prompts at the full budget.
 """
@@ -147,9 +147,9 @@ def run(args) -> int:
         chosen = "best"
         if held_out:   # the cost model is kept only where the held-out check finds it faster
             print("measuring the device's cost model and the acceptance priors ...", file=sys.stderr)
-            say = lambda msg: print("  " + msg, file=sys.stderr)   # noqa: E731
-            cost = measure_step_cost(target, drafter, config, compile=args.compile, progress=say)
-            priors = search.learn_priors(target, drafter, method, config, tune, args.max_new_tokens, args.compile, say)
+            cost = measure_step_cost(target, drafter, config, compile=args.compile, progress=_say)
+            priors = search.learn_priors(target, drafter, method, config, tune, args.max_new_tokens, args.compile,
+                                         _say)
             config = dataclasses.replace(config, priors=priors)
             adaptive = dataclasses.replace(config, cost=cost)
             default_method, default_config = ("graft" if "graft" in methods else methods[0]), GraftConfig(priors=priors)
@@ -199,10 +199,9 @@ def run_cost_only(args, target, drafter) -> int:
                                 else ("graft" if drafter is not None else "retrieval", GraftConfig(), {}))
     print(f"measuring the cost model of {target.name} + {drafter.name if drafter else 'no drafter'} "
           f"up to {config.budget} tokens ...", file=sys.stderr)
-    say = lambda msg: print("  " + msg, file=sys.stderr)   # noqa: E731
-    cost = measure_step_cost(target, drafter, config, compile=args.compile, progress=say)
+    cost = measure_step_cost(target, drafter, config, compile=args.compile, progress=_say)
     tune, _ = split_prompts(load_prompts(args.prompts or default_prompts()), args.n_prompts, 0)
-    priors = learn_priors(target, drafter, method, config, tune, args.max_new_tokens, args.compile, say)
+    priors = learn_priors(target, drafter, method, config, tune, args.max_new_tokens, args.compile, _say)
     config = dataclasses.replace(config, cost=cost, priors=priors)
     measured = {**measured, "cost_measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "priors_prompts": [p.id for p in tune]}
@@ -211,6 +210,11 @@ def run_cost_only(args, target, drafter) -> int:
     print(priors_table(config.priors))
     print(f"\nprofile: {path} (decode now chooses depth and budget per step for {method})")
     return 0
+
+
+def _say(message: str) -> None:
+    """Progress of a long measurement, indented under its heading (stderr)."""
+    print("  " + message, file=sys.stderr)
 
 
 def default_prompts() -> str:
