@@ -16,7 +16,7 @@ node i takes column ``ranks[i]`` of the row of its parent's token. Worked exampl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -57,12 +57,21 @@ def update_adjacency(adj: Tensor, tokens: Tensor, logits: Tensor, order: Tensor 
     of equal tokens, and let every duplicate write that winner's row, so duplicate scatter
     writes carry identical values. O(N log N), static shapes, no host sync.
     """
-    n, k = tokens.shape[0], adj.shape[1]
+    n = tokens.shape[0]
     if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] != adj.shape[0]:
         raise ValueError(f"logits must be [N={n}, V={adj.shape[0]}] to match tokens and adj, got {list(logits.shape)}")
     if n == 0:
         return adj
-    top = torch.topk(logits, k, dim=-1).indices.to(torch.int32)             # [N, k]
+    return write_successors(adj, tokens, torch.topk(logits, adj.shape[1], dim=-1).indices, order)
+
+
+def write_successors(adj: Tensor, tokens: Tensor, top: Tensor, order: Tensor | None = None) -> Tensor:
+    """``adj[tokens[i]] = top[i]`` for every node, by the write-order rule of ``update_adjacency``
+    (later in ``order`` wins, padding writes nothing); top: int [N, k], each node's successors."""
+    n = tokens.shape[0]
+    if n == 0:
+        return adj
+    top = top.to(torch.int32)
     if order is None:
         order = torch.arange(n, device=tokens.device)
     order = order[tokens[order] >= 0]     # padding nodes (token -1) write nothing (the kernel masks them)
@@ -80,13 +89,28 @@ def update_adjacency(adj: Tensor, tokens: Tensor, logits: Tensor, order: Tensor 
     return adj
 
 
-def warm_adjacency(adj: Tensor, prompt_tokens: Tensor, prompt_logits: Tensor) -> Tensor:
+WARM_LOGITS_PER_CHUNK = 1 << 25   # fp32 logits held at once while warming from a prompt (128 MB)
+
+
+def warm_adjacency(adj: Tensor, prompt_tokens: Tensor, hidden: Tensor, head: Callable[[Tensor], Tensor]) -> Tensor:
     """Fill ``adj`` from prefill: position t's logits give the successors of ``prompt_tokens[t]``.
 
-    prompt_tokens: int64 [T]; prompt_logits: float [T, V]. Later positions win, the same
-    freshest-context rule as ``update_adjacency``. Returns ``adj`` (updated in place).
+    prompt_tokens: int64 [T]; hidden: [T, ...], what ``head`` turns into logits [rows, V] (the
+    target's last-layer states and its norm + LM head, ``Transformer.logits``; or the logits
+    themselves and an identity head). The logits are made and ranked a chunk of positions at a
+    time, so a long prompt never holds all of them: a 4k-token prompt over Qwen's 151,936-token
+    vocabulary is 2.5 GB of fp32 logits, a chunk at most 128 MB. Later positions win, the
+    freshest-context rule of ``update_adjacency``. Returns ``adj`` (updated in place).
     """
-    return update_adjacency(adj, prompt_tokens, prompt_logits)
+    n, (V, k) = prompt_tokens.shape[0], adj.shape
+    rows = max(1, WARM_LOGITS_PER_CHUNK // V)
+    tops = []
+    for i in range(0, n, rows):
+        logits = head(hidden[i:i + rows])
+        if logits.dim() != 2 or logits.shape[1] != V:
+            raise ValueError(f"logits must be [rows, V={V}] to match adj, got {list(logits.shape)}")
+        tops.append(torch.topk(logits, k, dim=-1).indices)
+    return write_successors(adj, prompt_tokens, torch.cat(tops)) if tops else adj
 
 
 # --------------------------------------------------------------------------- template

@@ -105,13 +105,17 @@ class Engine:
         # Target features the drafter reads (EAGLE-3: fused low/mid/high layers), from every target forward.
         layers = drafter.target_layers if drafter is not None else None
 
-        # Prefill: the prompt's logits give the first token (and warm M when asked to).
+        # Prefill: the last position's logits give the first token; with warm-up, every position's
+        # last-layer state goes to warm M (its logits made a chunk at a time, never [n, V] at once).
         warm = use_retrieval and cfg.warm_from_prefill
         prompt = torch.tensor([ids], device=device)
-        logits, features = _forward(tnet, layers, prompt, torch.arange(n, device=device), 0, last_only=not warm,
+        taken = (*(layers or ()), tnet.config.n_layers - 1) if warm else layers
+        logits, features = _forward(tnet, taken, prompt, torch.arange(n, device=device), 0, last_only=True,
                                     attention=ops.tree_attention)
         if warm:
-            warm_adjacency(self.adjacency, prompt[0], logits)
+            dim = tnet.config.dim
+            warm_adjacency(self.adjacency, prompt[0], features[:, -dim:], tnet.logits)
+            features = features[:, :-dim] if layers is not None else None
         if drafter is not None:
             drafter.start(prompt[0], n + max_new_tokens + cfg.top_k * cfg.max_depth + 1, features, ops)
         root = next_token(logits[-1:], temperature, top_p, generator)[0]   # on the device, as each step's bonus

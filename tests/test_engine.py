@@ -19,7 +19,7 @@ from graft_tk.errors import InputError
 from graft_tk.models import Model
 from graft_tk.models.transformer import ModelConfig, Transformer
 from graft_tk.reference.accept import accept, greedy_accept
-from graft_tk.adjacency import new_adjacency
+from graft_tk.adjacency import new_adjacency, update_adjacency
 from graft_tk.sampling import target_probs
 from graft_tk.tree import Tree
 
@@ -109,6 +109,21 @@ def test_engine_keeps_the_adjacency_warm_across_calls(smollm2):
     assert all(r.tokens == first.tokens for r in later)
     # later requests start with M (and the acceptance estimates) warm
     assert all(r.stats["mat"] >= first.stats["mat"] for r in later) and later[-1].stats["mat"] > first.stats["mat"]
+
+
+def test_prefill_warms_the_adjacency_from_every_prompt_position(smollm2):
+    # The warm-up ranks the prompt's logits a chunk at a time from the last layer's states; M
+    # must be what the whole [n, V] logits of the prefill give.
+    engine = Engine(smollm2)
+    ids = encode_prompt(smollm2, "Count from 1 to 20, then back down to 1.", chat=True)
+    graft_tk.decode(smollm2, ids, method="retrieval", engine=engine, max_new_tokens=1)
+    net, n = smollm2.net, len(ids)
+    net.setup_cache(n)
+    with torch.inference_mode():
+        logits = net(torch.tensor([ids]), torch.arange(n), 0)[0]
+    expected = update_adjacency(new_adjacency(*engine.adjacency.shape), torch.tensor(ids), logits)
+    assert int((expected >= 0).any(-1).sum()) == len(set(ids))
+    assert torch.equal(engine.adjacency, expected)
 
 
 def test_max_new_tokens_truncates_mid_path(smollm2, self_drafter):

@@ -80,12 +80,33 @@ def test_warm_from_prefill():
     prompt = torch.tensor([1, 2, 1, 3])
     logits = torch.stack([logits_ranking(2, 9), logits_ranking(1, 8),
                           logits_ranking(3, 7), logits_ranking(6, 5)])
-    adj = warm_adjacency(new_adjacency(V, K), prompt, logits)
+    adj = warm_adjacency(new_adjacency(V, K), prompt, logits, head=lambda x: x)
     assert torch.equal(adj[1], torch.tensor([3, 7], dtype=torch.int32))   # later occurrence of 1 wins
     assert torch.equal(adj[2], torch.tensor([1, 8], dtype=torch.int32))
     assert torch.equal(adj[3], torch.tensor([6, 5], dtype=torch.int32))
     with pytest.raises(ValueError, match="logits must be"):
-        warm_adjacency(adj, prompt, logits[:, :8])
+        warm_adjacency(adj, prompt, logits[:, :8], head=lambda x: x)
+
+
+def test_warm_in_chunks_matches_one_piece(monkeypatch):
+    # A prompt whose logits do not fit one chunk: ranked a few positions at a time (tokens repeat
+    # across chunks, so the later-position rule must hold across them), the same M as in one piece,
+    # and no head call ever sees more rows than a chunk holds.
+    import graft_tk.adjacency as adjacency
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 5, (23,), generator=g)
+    hidden = torch.randn(23, 6, generator=g)
+    weight = torch.randn(V, 6, generator=g)
+    whole = update_adjacency(new_adjacency(V, K), prompt, hidden @ weight.T)
+    monkeypatch.setattr(adjacency, "WARM_LOGITS_PER_CHUNK", 4 * V)
+    rows_seen = []
+
+    def head(x):
+        rows_seen.append(x.shape[0])
+        return x @ weight.T
+
+    assert torch.equal(adjacency.warm_adjacency(new_adjacency(V, K), prompt, hidden, head), whole)
+    assert rows_seen == [4, 4, 4, 4, 4, 3]
 
 
 def test_default_template_shape():

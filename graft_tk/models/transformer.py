@@ -259,9 +259,10 @@ def cache_visibility(cache_len: int, prefix: int | Tensor, block: Tensor) -> Ten
 class AttentionMask:
     """One forward's mask, built once for all layers: cached keys [0, prefix_len) are visible to
     every new token and ``block`` [T, L] says which of the next L keys each one sees (the form of
-    ``graft_tk.reference.tree_attention``); ``kernel`` is the tree attention that runs it (Triton
-    kernel or torch reference, one signature). ``per_sequence`` [B, 1, T, S] instead gives every
-    sequence of a batch its own full mask (left-padded batches; SDPA).
+    ``graft_tk.reference.tree_attention``; None = causal over the T new keys, never built as T x T);
+    ``kernel`` is the tree attention that runs it (Triton kernel or torch reference, one signature).
+    ``per_sequence`` [B, 1, T, S] instead gives every sequence of a batch its own full mask
+    (left-padded batches; SDPA).
     """
     prefix_len: int = 0
     block: Tensor | None = None
@@ -293,8 +294,8 @@ def attention_mask(kernel: Callable | None, start: int, T: int, attn_mask: Tenso
             raise InputError("a per-sequence attn_mask [B, T, S] runs on SDPA: pass no attention= and no mask_prefix")
         return AttentionMask(per_sequence=attn_mask[:, None])  # [B, 1, T, S]: SDPA broadcasts over heads
     kernel = kernel or reference_attention
-    if attn_mask is None:  # causal = every cached slot + lower-triangular over the new tokens
-        return AttentionMask(start, torch.ones(T, T, dtype=torch.bool, device=device).tril(), kernel)
+    if attn_mask is None:  # causal = every cached slot + lower-triangular over the new tokens (block None)
+        return AttentionMask(start, None, kernel)
     return AttentionMask(prefix, attn_mask, kernel)
 
 
@@ -383,10 +384,14 @@ class Transformer(nn.Module):
                 taken[i] = x
         if last_only:
             x = x[:, -1:]
-        logits = F.linear(self.norm(x), self.lm_head_weight).float()
+        logits = self.logits(x)
         if hidden_layers is None:
             return logits
         return logits, torch.cat([taken[i] for i in hidden_layers], dim=-1)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """The LM head over the last layer's residual stream x [..., dim]: fp32 logits [..., V]."""
+        return F.linear(self.norm(x), self.lm_head_weight).float()
 
     def commit_kv(self, src_slots: Tensor, dst_start: int) -> None:
         """Move the KV at ``src_slots`` [n] (all layers) into slots [dst_start, dst_start + n).
