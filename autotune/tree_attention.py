@@ -9,7 +9,8 @@ import math
 
 import torch
 
-from graft_tk.kernels.tree_attention import _launch, _tree_attention_kernel, block_sizes, shape_bucket
+from graft_tk.kernels.tree_attention import (MIN_KEYS_PER_SPLIT, _launch, _tree_attention_kernel, block_sizes,
+                                             kv_splits, multiprocessors, shape_bucket)
 
 from .tuner import Tunable, parse_bucket
 
@@ -26,10 +27,12 @@ def bucket(rows: int, head_dim: int, kv_len: int, dtype: str = "bfloat16") -> st
 
 def configs(bucket: str) -> list[dict]:
     """BLOCK_M up to the bucket's rows (larger tiles would be padding), BLOCK_N 32-128, 4 or 8 warps,
-    2 or 3 stages: 12 configs at rows 16, 36 at 64, 48 from 128. At head dim 256 BLOCK_M x BLOCK_N
-    stays <= 64 x 64: a 128-key K or V tile is 64 KB in bf16, and 3 stages of both pass the 228 KB
-    of shared memory of an H100."""
+    2 or 3 stages: 12 tiles at rows 16, 36 at 64, 48 from 128; each with the keys in 1, 4 or 16
+    splits where every split keeps >= MIN_KEYS_PER_SPLIT keys (1 and 4 at kv_len 1024, all three
+    from 4096). At head dim 256 BLOCK_M x BLOCK_N stays <= 64 x 64: a 128-key K or V tile is 64 KB
+    in bf16, and 3 stages of both pass the 228 KB of shared memory of an H100."""
     b = parse_bucket(bucket)
+    splits = [s for s in (1, 4, 16) if s == 1 or b["kv_len"] // s >= MIN_KEYS_PER_SPLIT]
     out = []
     for block_m in (16, 32, 64, 128):
         if block_m > max(b["rows"], 16):
@@ -39,13 +42,20 @@ def configs(bucket: str) -> list[dict]:
                 continue
             for num_warps in (4, 8):
                 for num_stages in (2, 3):
-                    out.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages))
+                    for kv_splits in splits:
+                        out.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+                                        num_stages=num_stages, KV_SPLITS=kv_splits))
     return out
 
 
-def heuristic(bucket: str) -> dict:
+def heuristic(bucket: str, device: torch.device | str = "cuda") -> dict:
+    """What the launcher runs untuned on the bucket's input: ``block_sizes`` and ``kv_splits`` for its
+    programs on this device's SMs (1 split off a GPU)."""
     b = parse_bucket(bucket)
-    return block_sizes(b["rows"], b["head_dim"], b["dtype"])
+    meta = block_sizes(b["rows"], b["head_dim"], b["dtype"])
+    programs = math.ceil(b["rows"] / meta["BLOCK_M"]) * KV_HEADS
+    sms = multiprocessors(torch.device(device)) if torch.cuda.is_available() else 0
+    return {**meta, "KV_SPLITS": kv_splits(programs, b["kv_len"], sms)}
 
 
 def inputs(bucket: str, device: torch.device | str = "cuda") -> tuple:

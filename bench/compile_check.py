@@ -170,6 +170,9 @@ def op_calls(quick: bool):
                     yield (f"{str(dtype)[6:]} d{d} group {group} T={T}", "tree_attention",
                            lambda dtype=dtype, d=d, group=group, T=T:
                            cases._tree_attention(T, 512, dtype, hq=2 * group, hkv=2, d=d)("cpu"))
+                yield (f"{str(dtype)[6:]} d{d} group {group} causal prefill T=256", "tree_attention",
+                       lambda dtype=dtype, d=d, group=group:
+                       (*cases._tree_attention(256, 0, dtype, hq=2 * group, hkv=2, d=d)("cpu")[:4], None))
     for committed in (256, 4096):
         yield f"context {committed}", "prompt_lookup", lambda committed=committed: cases._prompt_lookup(committed)("cpu")
 
@@ -187,6 +190,15 @@ def record_launches(quick: bool) -> list[Launch]:
             except Exception as e:   # outputs are never written, so reading them back may fail afterwards
                 if len(recorded) == before:
                     raise RuntimeError(f"{module} [{label}] failed before launching a kernel: {e}") from e
+    # Keys split over programs (flash-decoding: the split kernel and the combine), which the
+    # launcher picks only on a GPU (by its SM count): at the heuristic tiles, 4 splits.
+    for dtype in (torch.float32, torch.bfloat16) if quick else (torch.float32, torch.float16, torch.bfloat16):
+        for d in (64, 128):
+            for group, T in ((1, 1), (7, 16)):
+                q, k, v, prefix, mask = cases._tree_attention(T, 2048, dtype, hq=2 * group, hkv=2, d=d)("cpu")
+                meta = {**attention_kernel.block_sizes(group * T, d, dtype), "KV_SPLITS": 4}
+                with recording(f"tree_attention split {str(dtype)[6:]} d{d} group {group} T={T}", recorded):
+                    attention_kernel._launch(q, k, v, prefix, mask, 1.0, torch.empty_like(q), meta)
     if not quick:   # every candidate tile of graft-autotune's search space
         for dtype in ("bfloat16", "float16", "float32"):
             for d in (64, 128):

@@ -66,7 +66,8 @@ class StepForward:
         mask = attention_mask(attention, start, T, attn_mask, mask_prefix, device)
         if mask.per_sequence is not None:
             raise InputError("a per-sequence attn_mask [B, T, S] runs eagerly only; use compile=False")
-        visible = cache_visibility(self.net.cache_len, mask.prefix_len, mask.block)
+        block = mask.block if mask.block is not None else torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        visible = cache_visibility(self.net.cache_len, mask.prefix_len, block)
         slots = torch.arange(start, start + T, device=device)
         out = self.compiled(tokens, positions, slots, visible, last_only, hidden_layers, attention)
         if self._cuda_graphs:   # a CUDA graph's outputs are overwritten by its next replay

@@ -297,7 +297,8 @@ def test_tree_attention_buckets_and_candidates():
     for rows in (1, 6, 54, 70, 500, 5000):
         for d in (64, 256):
             bucket = shape_bucket(rows, d, 3000, torch.float16)
-            assert ta_tunable.heuristic(bucket) == block_sizes(rows, d, torch.float16)   # one heuristic per bucket
+            heuristic = ta_tunable.heuristic(bucket, "cpu")                              # one heuristic per bucket
+            assert heuristic == {**block_sizes(rows, d, torch.float16), "KV_SPLITS": 1}   # no SMs: no split
             configs = ta_tunable.configs(bucket)
             assert configs and len({json.dumps(c, sort_keys=True) for c in configs}) == len(configs)
             for c in configs:
@@ -306,14 +307,15 @@ def test_tree_attention_buckets_and_candidates():
         ta_tunable.bucket(rows=4, head_dim=80, kv_len=100)
 
 
-@pytest.mark.parametrize("config", [dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3),
-                                    dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)],
-                         ids=["M32-N128", "M16-N32"])
-def test_tree_attention_candidate_tiles_are_exact(config):
+@pytest.mark.parametrize("kv_len,config", [
+    (256, dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3, KV_SPLITS=1)),
+    (1024, dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2, KV_SPLITS=4))], ids=["M32-N128", "M16-N32-split4"])
+def test_tree_attention_candidate_tiles_are_exact(kv_len, config):
     """Candidates other than the heuristic's tiles compute the same attention (the benchmark input)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    q, k, v, prefix_len, mask, scale = ta_tunable.inputs("rows=32,head_dim=16,kv_len=256,dtype=float32", device)
-    assert config in ta_tunable.configs("rows=32,head_dim=16,kv_len=256,dtype=float32")
+    bucket = f"rows=32,head_dim=16,kv_len={kv_len},dtype=float32"
+    q, k, v, prefix_len, mask, scale = ta_tunable.inputs(bucket, device)
+    assert config in ta_tunable.configs(bucket)
     out = torch.empty_like(q)
     _launch(q, k, v, prefix_len, mask, scale, out, config)
     atol, rtol = KERNEL_TOL[torch.float32]

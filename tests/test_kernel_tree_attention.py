@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from graft_tk.backend import LAUNCHES
-from graft_tk.kernels.tree_attention import block_sizes
+from graft_tk.kernels.tree_attention import _launch, block_sizes, kv_splits
 from graft_tk.kernels.tree_attention import tree_attention as tree_attention_triton
 from graft_tk.models.transformer import ModelConfig, Transformer
 from graft_tk.ops import ops_for
@@ -60,6 +60,10 @@ CASES = [
     ("aligned-blocks", 1, 2, 1, 64, 64, 128, "tree"),
     # causal prefill continuing a cache: lower-triangular mask, T = 33 spans a 64-key boundary.
     ("prefill-causal", 1, 4, 2, 33, 64, 40, "causal"),
+    # the same as mask None: the causal fast path (no mask read, blocks above the diagonal skipped);
+    # T = 70 rows in two 64-row blocks, the first of which stops at key prefix + 63.
+    ("prefill-causal-none", 1, 2, 2, 70, 32, 40, "none"),
+    ("prefill-causal-none-gqa3", 2, 6, 2, 25, 64, 0, "none"),
 ]
 
 
@@ -70,11 +74,55 @@ def test_kernel_matches_reference(name, B, Hq, Hkv, T, D, prefix_len, kind, dtyp
     q, k, v = _inputs(B, Hq, Hkv, T, D, S, dtype, seed=len(name))
     mask = {"ones": torch.ones(T, T, dtype=torch.bool, device=DEVICE),
             "causal": torch.ones(T, T, dtype=torch.bool, device=DEVICE).tril(),
-            "tree": _tree_mask(T, seed=T)}[kind]
+            "tree": _tree_mask(T, seed=T), "none": None}[kind]
     before = LAUNCHES.count
     got = tree_attention_triton(q, k, v, prefix_len, mask)
     assert LAUNCHES.count == before + 1
     _assert_close(got, tree_attention_torch(q, k, v, prefix_len, mask), dtype)
+
+
+# (name, B, Hq, Hkv, T, D, prefix_len, mask kind, splits): keys split over programs, then combined.
+SPLIT_CASES = [
+    # T = 1 decode, group 4, 300 keys in 4 splits of 128 (BLOCK_N 64 / 32): full and partial blocks per split.
+    ("decode-4-splits", 1, 8, 2, 1, 64, 299, "ones", 4),
+    # a tree whose masked block falls in the last split; 3 splits of a 2-batch cache.
+    ("tree-3-splits", 2, 6, 2, 9, 64, 200, "tree", 3),
+    # more splits than blocks asked for: capped at one block per split, none empty.
+    ("capped-splits", 1, 2, 1, 5, 16, 60, "tree", 16),
+    # causal prefill split: later splits hold keys no row of a block sees (all-masked partials).
+    ("causal-splits", 1, 4, 2, 40, 32, 90, "none", 4),
+    # a row that sees no key in any split stays zeros.
+    ("empty-row-splits", 1, 2, 2, 70, 16, 0, "empty-row", 2),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("name,B,Hq,Hkv,T,D,prefix_len,kind,splits", SPLIT_CASES, ids=[c[0] for c in SPLIT_CASES])
+def test_split_kv_matches_reference(name, B, Hq, Hkv, T, D, prefix_len, kind, splits, dtype):
+    S = prefix_len + T + 3
+    q, k, v = _inputs(B, Hq, Hkv, T, D, S, dtype, seed=len(name))
+    mask = {"ones": torch.ones(T, T, dtype=torch.bool, device=DEVICE), "tree": _tree_mask(T, seed=T),
+            "none": None, "empty-row": torch.ones(T, T, dtype=torch.bool, device=DEVICE).tril()}[kind]
+    if kind == "empty-row":
+        mask[3] = False
+    meta = {**block_sizes(Hq // Hkv * T, D, dtype), "KV_SPLITS": splits}
+    got = torch.empty_like(q)
+    before = LAUNCHES.count
+    _launch(q, k, v, prefix_len, mask, 0.125, got, meta)
+    assert LAUNCHES.count == before + 2          # the split kernel, then the combine
+    _assert_close(got, tree_attention_torch(q, k, v, prefix_len, mask, 0.125), dtype)
+    if kind == "empty-row":
+        assert torch.equal(got[:, :, 3], torch.zeros_like(got[:, :, 3]))
+
+
+def test_kv_splits_heuristic():
+    # a Qwen2.5-1.5B decode step (2 programs) on 132 SMs: one split per 256 keys up to ~1 program per SM
+    assert kv_splits(programs=2, kv_len=4096, sms=132) == 16
+    assert kv_splits(programs=2, kv_len=100_000, sms=132) == 64          # capped at MAX_SPLITS... and SMs
+    assert kv_splits(programs=12, kv_len=32768, sms=132) == 11
+    assert kv_splits(programs=2, kv_len=300, sms=132) == 1               # too short to split
+    assert kv_splits(programs=200, kv_len=32768, sms=132) == 1           # the launch fills the GPU (prefill)
+    assert kv_splits(programs=2, kv_len=32768, sms=0) == 1               # no GPU: never split
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -143,6 +191,8 @@ def test_bad_arguments_raise():
         tree_attention_triton(*_inputs(1, 4, 2, 3, 80, 10, torch.float32, seed=7), 2, mask)
     with pytest.raises(ValueError, match="mask must be bool"):
         tree_attention_triton(q, k, v, 2, mask[:2])
+    with pytest.raises(ValueError, match="must fit"):
+        tree_attention_triton(q, k, v, 8, None)        # causal: 8 + 3 new keys > 10 cached
     with pytest.raises(ValueError, match="must fit"):
         tree_attention_triton(q, k, v, 8, mask)
     with pytest.raises(ValueError, match="multiple of kv heads"):
