@@ -9,7 +9,12 @@
    CUDA when it is present), and the tree-attention tiles are really tuned once.
 2. Kernel benchmarks: each op of bench/cases.py, Triton vs torch reference on the same inputs,
    median time (``triton.testing.do_bench``), and whether the outputs agree.
-3. Step forwards, eager vs compiled (``graft_tk.compiled``: torch.compile, CUDA graphs): a model
+3. Tree attention at real decode shapes: Qwen2.5-1.5B (12 query heads on 2 kv heads) and
+   Llama-3-8B (32 on 8) head layouts, head dim 128, bf16, a tree of T = 16 / 64 nodes after 512,
+   4k and 32k cached tokens: the launcher (heuristic tiles and KV splits), the same tiles in one
+   split, tuned tiles (graft-autotune's search, into a temporary cache) on two of the shapes, and
+   SDPA with the dense [T, kv_len] mask; outputs compared with SDPA.
+4. Step forwards, eager vs compiled (``graft_tk.compiled``: torch.compile, CUDA graphs): a model
    with Qwen2.5-1.5B's shapes (random bf16 weights: a GPU machine may have no checkpoints, and
    the time does not depend on the values), q = 1 and 16 new tokens after 100 and 3,000 cached.
 
@@ -142,6 +147,81 @@ def run_forwards(cuda: bool) -> list[dict]:
     return rows
 
 
+ATTENTION_LAYOUTS = {"qwen2.5-1.5b": (12, 2), "llama-3-8b": (32, 8)}   # (query heads, kv heads), head dim 128
+TUNED_SHAPES = {("qwen2.5-1.5b", 16, 4096), ("llama-3-8b", 64, 32768)}     # tuned too (~1 min each)
+
+
+def run_attention(cuda: bool) -> list[dict]:
+    """Tree attention vs SDPA (dense mask) at decode shapes; heuristic, one split and tuned tiles."""
+    import tempfile
+
+    import torch
+    import torch.nn.functional as F
+
+    from graft_tk.autotune import select, tuner
+    from graft_tk.autotune import tree_attention as tunable
+    from graft_tk.kernels import tree_attention as kernel
+    from graft_tk.kernels._common import interpreted
+    from graft_tk.reference.tree_attention import tree_attention as reference
+    if cuda:
+        layouts, prefixes, nodes, d, dtype = ATTENTION_LAYOUTS, (512, 4096, 32768), (16, 64), 128, torch.bfloat16
+    else:      # dry run: the same code at toy size
+        layouts, prefixes, nodes, d, dtype = {"toy": (4, 2)}, (100,), (4,), 16, torch.float32
+    device = torch.device("cuda" if cuda else "cpu")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if cuda:   # tuning writes a cache: a temporary one, never the user's (this process ends after)
+            os.environ["GRAFT_TK_AUTOTUNE_CACHE"] = str(Path(tmp) / "autotune.json")
+        for name, (hq, hkv) in layouts.items():
+            for prefix in prefixes:
+                for T in nodes:
+                    g = torch.Generator().manual_seed(0)
+                    q = torch.randn(1, hq, T, d, generator=g).to(device, dtype)
+                    k = torch.randn(1, hkv, prefix + T, d, generator=g).to(device, dtype)
+                    v = torch.randn(1, hkv, prefix + T, d, generator=g).to(device, dtype)
+                    tree = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+                    tree[1::2, 0] = False                            # not a chain: a branchy mask
+                    dense = torch.cat([torch.ones(T, prefix, dtype=torch.bool, device=device), tree], dim=1)
+                    row = {"layout": name, "prefix": prefix, "T": T}
+                    heuristic = kernel.block_sizes(hq // hkv * T, d, dtype)
+                    programs = -(-hq // hkv * T // heuristic["BLOCK_M"]) * hkv
+                    heuristic["KV_SPLITS"] = (kernel.kv_splits(programs, prefix + T, kernel.multiprocessors(device))
+                                              if cuda else 2)      # dry run: the split path and its combine
+                    row["splits"] = heuristic["KV_SPLITS"]
+                    out = torch.empty_like(q)
+                    scale = 1.0 / d ** 0.5
+                    row["triton_ms"] = median_ms(lambda: kernel._launch(q, k, v, prefix, tree, scale, out, heuristic), cuda)
+                    one = {**heuristic, "KV_SPLITS": 1}
+                    row["one_split_ms"] = median_ms(lambda: kernel._launch(q, k, v, prefix, tree, scale, out, one), cuda)
+                    row["sdpa_ms"] = median_ms(lambda: F.scaled_dot_product_attention(
+                        q, k, v, attn_mask=dense, enable_gqa=True), cuda)
+                    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=dense,
+                                                          enable_gqa=True) if cuda else reference(q, k, v, prefix, tree)
+                    kernel._launch(q, k, v, prefix, tree, scale, out, heuristic)
+                    row["agree"] = agree(out, want.to(dtype))
+                    if cuda and not interpreted() and (name, T, prefix) in TUNED_SHAPES:
+                        bucket = kernel.shape_bucket(hq // hkv * T, d, prefix + T, dtype)
+                        tuner.tune(tunable.TUNABLE, bucket)
+                        tuned = select("tree_attention", bucket, heuristic, device)
+                        row["tuned"] = tuned
+                        row["tuned_ms"] = median_ms(lambda: kernel._launch(q, k, v, prefix, tree, scale, out, tuned), cuda)
+                    rows.append(row)
+                    print(f"  attention {name:<13} prefix={prefix:<6} T={T:<3} triton {row['triton_ms']:8.3f} ms "
+                          f"({row['splits']} splits; one split {row['one_split_ms']:8.3f})  sdpa {row['sdpa_ms']:8.3f} ms"
+                          + (f"  tuned {row['tuned_ms']:8.3f} ms" if "tuned_ms" in row else "") + f"  {row['agree']}",
+                          file=sys.stderr)
+    return rows
+
+
+def attention_table(rows: list[dict]) -> str:
+    lines = ["| layout | cached | T | triton ms (splits) | one split ms | tuned ms | SDPA dense-mask ms | vs SDPA | outputs |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['layout']} | {r['prefix']} | {r['T']} | {r['triton_ms']:.3f} ({r['splits']}) | "
+              f"{r['one_split_ms']:.3f} | {r.get('tuned_ms', float('nan')):.3f} | {r['sdpa_ms']:.3f} | "
+              f"{r['sdpa_ms'] / r['triton_ms']:.2f}x | {r['agree']} |" for r in rows]
+    return "\n".join(lines)
+
+
 def forward_table(rows: list[dict]) -> str:
     lines = ["| q | cached | eager ms | compiled ms | compiled speedup | compile s |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['q']} | {r['prefix']} | {r['eager_ms']:.3f} | {r['compiled_ms']:.3f} | "
@@ -183,17 +263,20 @@ def main(argv=None) -> int:
         print(f"  {tests['summary']} ({tests['seconds']:.0f} s)", file=sys.stderr)
     print("kernel benchmarks...", file=sys.stderr)
     rows = run_benchmarks(quick=args.quick or not cuda, cuda=cuda)
+    print("tree attention at decode shapes...", file=sys.stderr)
+    attention = run_attention(cuda)
     print("step forwards, eager vs compiled...", file=sys.stderr)
     forwards = run_forwards(cuda)
     print(f"\n## gpu_check: {info['gpu'] or 'CPU dry run'}, {info['date']}")
     if tests is not None:
         print(f"\nkernel tests: {tests['summary']}" + "".join(f"\n  {f}" for f in tests["failures"]))
     print("\n" + table(rows))
+    print("\n" + attention_table(attention))
     print("\n" + forward_table(forwards))
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "tests": tests, "benchmarks": rows,
-                                               "forwards": forwards}, indent=1))
-    ok = (tests is None or tests["ok"]) and all(not r["agree"].startswith("DIFFER") for r in rows)
+                                               "attention": attention, "forwards": forwards}, indent=1))
+    ok = (tests is None or tests["ok"]) and all(not r["agree"].startswith("DIFFER") for r in rows + attention)
     return 0 if ok else 1
 
 
