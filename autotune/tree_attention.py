@@ -9,8 +9,9 @@ import math
 
 import torch
 
+from graft_tk.kernels._common import multiprocessors
 from graft_tk.kernels.tree_attention import (MIN_KEYS_PER_SPLIT, _launch, _tree_attention_kernel, block_sizes,
-                                             kv_splits, multiprocessors, shape_bucket)
+                                             kv_splits, shape_bucket)
 
 from .tuner import Tunable, parse_bucket
 

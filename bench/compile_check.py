@@ -40,6 +40,7 @@ from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from graft_tk.kernels import draft_expand as expand_kernel  # noqa: E402
 from graft_tk.kernels import tree_attention as attention_kernel  # noqa: E402
 from graft_tk.adjacency import RetrievalTemplate, default_template, new_adjacency  # noqa: E402
 from graft_tk.autotune import tree_attention as tunable_attention  # noqa: E402
@@ -190,6 +191,12 @@ def record_launches(quick: bool) -> list[Launch]:
             except Exception as e:   # outputs are never written, so reading them back may fail afterwards
                 if len(recorded) == before:
                     raise RuntimeError(f"{module} [{label}] failed before launching a kernel: {e}") from e
+    # The vocabulary split over programs (draft_expand's stage 1 + finish), also GPU-only.
+    for V in (151936,) if quick else (49152, 151936):
+        for F, K in ((1, 4), (16, 8)):
+            scores, logits, _, log_tau = cases._draft_expand(F, V)("cpu")
+            with recording(f"draft_expand split F={F} V={V} K={K}", recorded):
+                expand_kernel._expand(scores[:F], logits[:F], K, log_tau, expand_kernel._config(F, V, K), 16)
     # Keys split over programs (flash-decoding: the split kernel and the combine), which the
     # launcher picks only on a GPU (by its SM count): at the heuristic tiles, 4 splits.
     for dtype in (torch.float32, torch.bfloat16) if quick else (torch.float32, torch.float16, torch.bfloat16):

@@ -161,7 +161,7 @@ def run_attention(cuda: bool) -> list[dict]:
     from graft_tk.autotune import select, tuner
     from graft_tk.autotune import tree_attention as tunable
     from graft_tk.kernels import tree_attention as kernel
-    from graft_tk.kernels._common import interpreted
+    from graft_tk.kernels._common import interpreted, multiprocessors
     from graft_tk.reference.tree_attention import tree_attention as reference
     if cuda:
         layouts, prefixes, nodes, d, dtype = ATTENTION_LAYOUTS, (512, 4096, 32768), (16, 64), 128, torch.bfloat16
@@ -185,7 +185,7 @@ def run_attention(cuda: bool) -> list[dict]:
                     row = {"layout": name, "prefix": prefix, "T": T}
                     heuristic = kernel.block_sizes(hq // hkv * T, d, dtype)
                     programs = -(-hq // hkv * T // heuristic["BLOCK_M"]) * hkv
-                    heuristic["KV_SPLITS"] = (kernel.kv_splits(programs, prefix + T, kernel.multiprocessors(device))
+                    heuristic["KV_SPLITS"] = (kernel.kv_splits(programs, prefix + T, multiprocessors(device))
                                               if cuda else 2)      # dry run: the split path and its combine
                     row["splits"] = heuristic["KV_SPLITS"]
                     out = torch.empty_like(q)

@@ -26,7 +26,9 @@ from .policy import StepPolicy
 from .sampling import next_token
 from .tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT, SOURCE_NAMES
 
-ATTENTION_KERNEL = "_tree_attention_kernel"   # launched inside model forwards: not a step op
+# Launched inside model forwards (the attention, its split-KV combine): not step ops.
+FORWARD_KERNELS = ("_tree_attention_kernel", "_combine_splits_kernel")
+DEPTH_STAGE_KERNEL = "_draft_expand_partial_kernel"   # a depth's expansion over many programs (GPU): stage 1
 
 
 class Engine:
@@ -311,9 +313,11 @@ class _Stats:
             self.accepted_by_depth[depth] += 1
 
     def record_launches(self, launched: Counter, depths: int) -> None:
-        launched.pop(ATTENTION_KERNEL, None)
+        for name in FORWARD_KERNELS:
+            launched.pop(name, None)
         self.launches += launched
-        self.launch_excess = max(self.launch_excess, sum(launched.values()) - depths)
+        # a drafter depth is one expansion: one launch, or two where its vocabulary is split
+        self.launch_excess = max(self.launch_excess, sum(launched.values()) - depths - launched[DEPTH_STAGE_KERNEL])
 
     def finish(self, prompt_tokens: int, tokens: int, seconds: float) -> dict:
         self._read_events()

@@ -14,16 +14,28 @@ import pytest
 import torch
 
 from graft_tk.backend import LAUNCHES
-from graft_tk.kernels.draft_expand import _config, draft_expand as draft_expand_kernel
+from graft_tk.kernels._common import multiprocessors
+from graft_tk.kernels.draft_expand import _config, _expand, vocab_chunks
+from graft_tk.kernels.draft_expand import draft_expand as draft_expand_kernel
 from graft_tk.reference.draft_expand import desc_key, draft_expand, key_index, top_k_lowest_index
 from tests.kernel_utils import DEVICE, on_device
 from tests.tolerances import KERNEL_TOL
 
 
-def run_both(frontier_scores, logits, top_k, log_tau):
+def run_both(frontier_scores, logits, top_k, log_tau, chunks=None):
+    """The kernel (``chunks``: its vocabulary split over that many stage-1 programs; None = what
+    the launcher picks: one fused launch off a GPU) against the reference."""
+    F, V = logits.shape
+    config = _config(F, V, top_k)
+    asked = chunks or vocab_chunks(V, config["BLOCK_V"], multiprocessors(logits.device))
+    width = -(-(-(-V // asked)) // config["BLOCK_V"]) * config["BLOCK_V"]     # whole tiles per chunk
+    launches = 1 + (-(-V // width) > 1)                                        # stage 1 only with > 1 chunk
     before = LAUNCHES.count
-    got = draft_expand_kernel(frontier_scores, logits, top_k, log_tau)
-    assert LAUNCHES.count - before == 1
+    if chunks is None:
+        got = draft_expand_kernel(frontier_scores, logits, top_k, log_tau)
+    else:
+        got = _expand(frontier_scores, logits, top_k, log_tau, config, chunks)
+    assert LAUNCHES.count - before == launches
     want = draft_expand(frontier_scores, logits, top_k, log_tau)
     names = ("child_tokens", "child_parents", "child_scores", "next_frontier", "stop")
     for name, g, w in zip(names, got, want):
@@ -54,6 +66,33 @@ def test_matches_reference(F, V, K):
     cfg = _config(F, V, K)
     assert cfg["F_PAD"] * cfg["BLOCK_V"] <= 4096
     run_both(*inputs(F, V, seed=F * 1000 + K), K, math.log(0.05))
+
+
+@pytest.mark.parametrize("F,V,K,chunks", [
+    (1, 151936, 16, 19),   # Qwen root as a GPU splits it: 19 chunks of 8,192 columns, the last 4,480
+    (16, 49152, 8, 12),    # a full SmolLM2 frontier over 12 programs
+    (4, 5000, 3, 5),       # chunks of 1,024 (one tile each), the last 904 wide
+    (3, 7, 7, 4),          # fewer columns than a tile: one chunk, the fused launch
+])
+def test_vocabulary_split_over_programs_matches_reference(F, V, K, chunks):
+    run_both(*inputs(F, V, seed=F * 1000 + K + 1), K, math.log(0.05), chunks=chunks)
+
+
+def test_split_chunk_narrower_than_k():
+    # 16-column tiles: V = 35 in 3 chunks, the last with 3 columns < K = 8 (its sentinel keys must
+    # not enter the merge); ties across chunks break to the lower token id.
+    fs, logits = inputs(2, 35, seed=11)
+    logits[0, 3] = logits[0, 20] = logits[0, 34] = 9.0
+    want = draft_expand(fs, logits, 8, -3.0)
+    got = _expand(fs, logits, 8, -3.0, {**_config(2, 35, 8), "BLOCK_V": 16}, 3)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w) if g.dtype != torch.float32 else torch.allclose(g, w, atol=1e-5)
+    assert got[0][:3].tolist() == [3, 20, 34]
+
+
+def test_vocab_chunks_heuristic():
+    assert vocab_chunks(151936, 256, sms=132) == 132 and vocab_chunks(151936, 2048, sms=132) == 19
+    assert vocab_chunks(151936, 256, sms=0) == 1 and vocab_chunks(3000, 1024, sms=132) == 1
 
 
 def test_fp16_and_strided_logits():

@@ -20,3 +20,18 @@ def launch(kernel, grid, *args, **kwargs):
 def next_pow2(n: int) -> int:
     """Smallest power of two >= max(n, 1) (Triton block sizes must be powers of two)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+_SMS: dict = {}
+
+
+def multiprocessors(device) -> int:
+    """SMs of a CUDA device (cached): how many programs a launch needs to fill it; 0 on a CPU or
+    under the interpreter (launchers then keep their one-program-per-row forms)."""
+    if interpreted() or device.type != "cuda":
+        return 0
+    import torch
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]

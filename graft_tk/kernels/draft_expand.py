@@ -1,13 +1,15 @@
-"""Draft expansion in one Triton launch: log-softmax + per-row top-K + cumulative scores +
-global top-K (the next frontier) + the stop flag. Same signature and tie order as
+"""Draft expansion in Triton: log-softmax + per-row top-K + cumulative scores + global top-K (the
+next frontier) + the stop flag. Same signature and tie order as
 ``graft_tk.reference.draft_expand.draft_expand``.
 
-One program (grid (1,)) streams the whole [F, V] logits tile by tile: every row at once, so each
-iteration is one [F_PAD, BLOCK_V] tile (4096 elements), an online log-sum-exp per row and a merge
-of the tile into a running top-K per row. The global top-K over the F*K children needs every row
-finished, and F <= K <= 16 rows is too little work to pay for a second launch or a cross-program
-handshake, so the same program finishes it. F=16 x V=151936 fp32 is 9.7 MB through one SM; if a
-profile shows that matters, split V over programs and merge per-program top-Ks (two launches).
+Off a GPU (and wherever the vocabulary is small) one program (grid (1,)) streams the whole [F, V]
+logits tile by tile: every row at once, so each iteration is one [F_PAD, BLOCK_V] tile (4096
+elements), an online log-sum-exp per row and a merge of the tile into a running top-K per row.
+On a GPU that is F=16 x V=151936 fp32 = 9.7 MB through one SM, so the vocabulary is split:
+stage 1 (``_draft_expand_partial_kernel``, ``vocab_chunks`` programs, about one per SM) scans a
+chunk of columns of every row and stores its top-K keys, max and sum of exp; the finish (the same
+kernel as the fused form, ``PARTIALS``) merges the chunks' keys and log-sum-exps instead of
+streaming logits, then ranks the F*K children for the next frontier and sets the stop flag.
 
 Ranking uses int64 keys (``_desc_key``, the reference's ``desc_key``): float32 bits mapped to an
 order-preserving int in the high word, ``2**31 - 1 - index`` in the low word. Keys are unique, so
@@ -20,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import launch, next_pow2
+from ._common import launch, multiprocessors, next_pow2
 
 _TILE = 4096     # logits per loop iteration: F_PAD * BLOCK_V (16 fp32 + 16 int64 per thread at 8 warps)
 # Globals read inside @triton.jit must be constexpr.
@@ -52,29 +54,40 @@ def _key_value(key):
 
 
 @triton.jit
-def _draft_expand_kernel(
-    # pointers
-    frontier_ptr, logits_ptr,
-    tokens_ptr, parents_ptr, scores_ptr, next_ptr, stop_ptr,
-    # sizes, strides, scalars
-    F, V, stride_f, log_tau,
-    # meta-parameters
-    K: tl.constexpr, F_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    rows = tl.arange(0, F_PAD)
-    slots = tl.arange(0, K_PAD)
-    row_ok = rows < F
-    # Running top-K keys per row, unsorted. Start with sentinels MIN_KEY + slot: distinct (so
-    # `run == worst` picks one slot) and below every real key (the smallest, -inf with index
-    # 2**31 - 1, is ~ -2**62.99). Padding slots hold MAX so they are never the row minimum.
-    # (int64 before adding: a Python int meeting an int32 tensor is cast to int32.)
+def _merge_top_k(run, key):
+    """Merge a tile of keys [F_PAD, n] into the running top-K ``run`` [F_PAD, K_PAD]: while some
+    row's best tile key beats its worst kept key, swap them. At most K rounds; after the first
+    tiles usually 0-1, because a tile rarely holds one of the K best seen so far."""
+    best = tl.max(key, 1)
+    worst = tl.min(run, 1)
+    while tl.max((best > worst).to(tl.int32), 0) > 0:
+        take = best > worst
+        run = tl.where(take[:, None] & (run == worst[:, None]), best[:, None], run)
+        key = tl.where(take[:, None] & (key == best[:, None]), _MIN_KEY, key)
+        best = tl.max(key, 1)
+        worst = tl.min(run, 1)
+    return run
+
+
+@triton.jit
+def _start(rows, slots, K: tl.constexpr, F_PAD: tl.constexpr):
+    """An empty running top-K and log-sum-exp. The top-K starts with sentinels MIN_KEY + slot:
+    distinct (so ``run == worst`` picks one slot) and below every real key (the smallest, -inf
+    with index 2**31 - 1, is ~ -2**62.99); padding slots hold MAX so they are never the row
+    minimum. (int64 before adding: a Python int meeting an int32 tensor is cast to int32.)"""
     sentinel = (slots[None, :] + 0 * rows[:, None]).to(tl.int64) + _MIN_KEY
     run = tl.where(slots[None, :] < K, sentinel, _MAX_KEY)                     # [F_PAD, K_PAD]
     m = tl.full([F_PAD], float("-inf"), tl.float32)                           # running max
     s = tl.zeros([F_PAD], tl.float32)                                         # sum exp(x - m)
-    for v0 in range(0, V, BLOCK_V):
+    return run, m, s
+
+
+@triton.jit
+def _scan(logits_ptr, stride_f, rows, row_ok, lo, hi, run, m, s, BLOCK_V: tl.constexpr):
+    """Stream logits columns [lo, hi) of every row, tile by tile, into (run, m, s)."""
+    for v0 in range(lo, hi, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        ok = row_ok[:, None] & (cols[None, :] < V)
+        ok = row_ok[:, None] & (cols[None, :] < hi)
         x = tl.load(logits_ptr + rows[:, None] * stride_f + cols[None, :], mask=ok,
                     other=float("-inf")).to(tl.float32)                       # [F_PAD, BLOCK_V]
         # Online log-sum-exp; m_safe avoids (-inf) - (-inf) = nan while a row has seen only -inf.
@@ -82,18 +95,59 @@ def _draft_expand_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), 1)
         m = m_new
-        # Merge the tile into the running top-K: while some row's best tile key beats its worst
-        # kept key, swap them. At most K rounds; after the first tiles usually 0-1, because a
-        # tile rarely holds one of the K best logits seen so far.
-        key = tl.where(ok, _desc_key(x, cols[None, :]), _MIN_KEY)
-        best = tl.max(key, 1)
-        worst = tl.min(run, 1)
-        while tl.max((best > worst).to(tl.int32), 0) > 0:
-            take = best > worst
-            run = tl.where(take[:, None] & (run == worst[:, None]), best[:, None], run)
-            key = tl.where(take[:, None] & (key == best[:, None]), _MIN_KEY, key)
-            best = tl.max(key, 1)
-            worst = tl.min(run, 1)
+        run = _merge_top_k(run, tl.where(ok, _desc_key(x, cols[None, :]), _MIN_KEY))
+    return run, m, s
+
+
+@triton.jit
+def _draft_expand_partial_kernel(
+    logits_ptr, part_keys_ptr, part_m_ptr, part_s_ptr,
+    F, V, stride_f, chunk,
+    K: tl.constexpr, F_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Stage 1 of the split path: program c scans vocabulary columns [c * chunk, (c + 1) * chunk) of
+    every row and stores its top-K keys [F_PAD, K_PAD], row max and sum of exp for the finish."""
+    c = tl.program_id(0)
+    rows = tl.arange(0, F_PAD)
+    slots = tl.arange(0, K_PAD)
+    run, m, s = _start(rows, slots, K, F_PAD)
+    run, m, s = _scan(logits_ptr, stride_f, rows, rows < F, c * chunk, tl.minimum(c * chunk + chunk, V), run, m, s,
+                      BLOCK_V)
+    tile = c * F_PAD * K_PAD + rows[:, None] * K_PAD + slots[None, :]
+    tl.store(part_keys_ptr + tile, run)
+    tl.store(part_m_ptr + c * F_PAD + rows, m)
+    tl.store(part_s_ptr + c * F_PAD + rows, s)
+
+
+@triton.jit
+def _draft_expand_kernel(
+    # pointers
+    frontier_ptr, logits_ptr, part_keys_ptr, part_m_ptr, part_s_ptr,
+    tokens_ptr, parents_ptr, scores_ptr, next_ptr, stop_ptr,
+    # sizes, strides, scalars
+    F, V, stride_f, log_tau, n_chunks,
+    # meta-parameters
+    K: tl.constexpr, F_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    PARTIALS: tl.constexpr,    # merge stage 1's n_chunks partials instead of streaming the logits
+):
+    rows = tl.arange(0, F_PAD)
+    slots = tl.arange(0, K_PAD)
+    row_ok = rows < F
+    run, m, s = _start(rows, slots, K, F_PAD)
+    if PARTIALS:
+        for c in range(0, n_chunks):
+            key = tl.load(part_keys_ptr + c * F_PAD * K_PAD + rows[:, None] * K_PAD + slots[None, :])
+            # a chunk's sentinels (a chunk narrower than K) and padding slots take no part
+            key = tl.where((slots[None, :] < K) & (key > _MIN_KEY + K_PAD), key, _MIN_KEY)
+            run = _merge_top_k(run, key)
+            m_c = tl.load(part_m_ptr + c * F_PAD + rows)
+            s_c = tl.load(part_s_ptr + c * F_PAD + rows)
+            m_new = tl.maximum(m, m_c)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp(m - m_safe) + s_c * tl.exp(m_c - m_safe)
+            m = m_new
+    else:
+        run, m, s = _scan(logits_ptr, stride_f, rows, row_ok, 0, V, run, m, s, BLOCK_V)
 
     # Children in rank order. V >= K, so every sentinel was replaced by a real key.
     run = tl.sort(tl.where(slots[None, :] < K, run, _MIN_KEY), dim=1, descending=True)
@@ -122,13 +176,24 @@ def _config(F: int, V: int, K: int) -> dict:
     return {"F_PAD": f_pad, "K_PAD": k_pad, "BLOCK_V": block_v, "num_warps": 8 if f_pad * block_v >= 4096 else 4}
 
 
+MIN_TILES_PER_CHUNK = 4   # a stage-1 program streams at least 4 tiles
+
+
+def vocab_chunks(V: int, block_v: int, sms: int) -> int:
+    """Programs of stage 1 (vocabulary chunks): about one per SM, each >= MIN_TILES_PER_CHUNK tiles
+    of ``block_v`` columns; 1 (the fused single launch) without a GPU. Qwen's 151,936 tokens at
+    F = 16 (256-column tiles) on 132 SMs: 132 chunks; at F = 1 (2,048-column tiles): 19."""
+    return max(1, min(sms, triton.cdiv(V, block_v * MIN_TILES_PER_CHUNK)))
+
+
 def draft_expand(frontier_scores: torch.Tensor, logits: torch.Tensor, top_k: int, log_tau: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of ``graft_tk.reference.draft_expand.draft_expand`` (same shapes, dtypes, ties).
 
     frontier_scores float [F], logits float [F, V] (any float dtype, read as fp32; last dim
     contiguous) -> child_tokens int64 [F*K], child_parents int64 [F*K], child_scores float32
-    [F*K], next_frontier int64 [K], stop bool []. One launch, no host sync.
+    [F*K], next_frontier int64 [K], stop bool []. No host sync; one launch, two on a GPU (the
+    vocabulary over ``vocab_chunks`` programs, then the finish).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [F, V], got {list(logits.shape)}")
@@ -142,15 +207,32 @@ def draft_expand(frontier_scores: torch.Tensor, logits: torch.Tensor, top_k: int
     if not logits.is_floating_point() or frontier_scores.device != logits.device:
         raise ValueError(f"logits must be a float tensor on frontier_scores' device, got {logits.dtype} on "
                          f"{logits.device} (frontier_scores on {frontier_scores.device})")
+    config = _config(F, V, top_k)
+    return _expand(frontier_scores, logits, top_k, log_tau, config,
+                   vocab_chunks(V, config["BLOCK_V"], multiprocessors(logits.device)))
+
+
+def _expand(frontier_scores, logits, K: int, log_tau: float, config: dict, chunks: int):
+    """The launches of ``draft_expand`` (checked arguments) with the vocabulary in ``chunks`` chunks."""
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    dev, K = logits.device, top_k
+    (F, V), dev = logits.shape, logits.device
+    chunk = triton.cdiv(triton.cdiv(V, chunks), config["BLOCK_V"]) * config["BLOCK_V"]
+    chunks = triton.cdiv(V, chunk)                       # no empty chunk
     child_tokens = torch.empty(F * K, dtype=torch.int64, device=dev)
     child_parents = torch.empty(F * K, dtype=torch.int64, device=dev)
     child_scores = torch.empty(F * K, dtype=torch.float32, device=dev)
     next_frontier = torch.empty(K, dtype=torch.int64, device=dev)
     stop = torch.empty((), dtype=torch.int8, device=dev)
+    f_pad, k_pad = config["F_PAD"], config["K_PAD"]
+    part_keys = torch.empty(chunks if chunks > 1 else 1, f_pad, k_pad, dtype=torch.int64, device=dev)
+    part_m = torch.empty(part_keys.shape[0], f_pad, dtype=torch.float32, device=dev)
+    part_s = torch.empty_like(part_m)
+    if chunks > 1:
+        launch(_draft_expand_partial_kernel, (chunks,), logits, part_keys, part_m, part_s, F, V, logits.stride(0),
+               chunk, K=K, **config)
     launch(_draft_expand_kernel, (1,),
-           frontier_scores.contiguous(), logits, child_tokens, child_parents, child_scores, next_frontier, stop,
-           F, V, logits.stride(0), float(log_tau), K=K, **_config(F, V, K))
+           frontier_scores.contiguous(), logits, part_keys, part_m, part_s,
+           child_tokens, child_parents, child_scores, next_frontier, stop,
+           F, V, logits.stride(0), float(log_tau), chunks, K=K, PARTIALS=chunks > 1, **config)
     return child_tokens, child_parents, child_scores, next_frontier, stop.view(torch.bool)

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..autotune import select
 from ..reference.tree_attention import check_tree_attention_args
-from ._common import interpreted, launch, next_pow2
+from ._common import interpreted, launch, multiprocessors, next_pow2
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two: tl.arange needs one, tl.dot needs >= 16
 _LOG2E = 1.4426950408889634          # softmax in base 2: exp(x) = exp2(x * log2(e)), one multiply folded into scale
@@ -223,19 +223,6 @@ def kv_splits(programs: int, kv_len: int, sms: int) -> int:
     if programs >= sms:
         return 1
     return max(1, min(kv_len // MIN_KEYS_PER_SPLIT, triton.cdiv(sms, programs), MAX_SPLITS))
-
-
-_SMS: dict = {}
-
-
-def multiprocessors(device: torch.device) -> int:
-    """SMs of a CUDA device (cached); 0 on a CPU or under the interpreter."""
-    if interpreted() or device.type != "cuda":
-        return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
 
 
 def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tensor | None,
