@@ -93,9 +93,11 @@ FrontierForward = Callable[[Tensor, Tensor, Tensor, int, Tensor, int], Tensor]
 
 
 def expand(logits: Tensor, first_width: int, forward: FrontierForward, root_slot: int, cfg: GraftConfig,
-           log_tau: float, ops: Ops) -> DraftPool:
+           log_tau: float, ops: Ops, vocab_map: Tensor | None = None) -> DraftPool:
     """Expand from the root (``logits`` [1, V], its next-token logits, from a forward of
-    ``first_width`` tokens) up to ``cfg.max_depth`` depths.
+    ``first_width`` tokens) up to ``cfg.max_depth`` depths. ``vocab_map`` [V]: the logits are over
+    a drafter vocabulary and entry i is the token of its id i (an EAGLE-3 head's ``draft_ids``):
+    the K best of each row are ranked there and only they are mapped.
 
     The root's KV is in cache slot ``root_slot``; each depth's frontier gets scratch slots after it.
     Expansion stops early once every new child scores below ``log_tau`` (scores only fall with
@@ -117,6 +119,8 @@ def expand(logits: Tensor, first_width: int, forward: FrontierForward, root_slot
     n = n_scratch = 0
     for depth in range(1, D + 1):
         child_tok, child_par, child_score, nxt, stop = ops.draft_expand(frontier_scores, logits, K, log_tau)
+        if vocab_map is not None:
+            child_tok = vocab_map[child_tok]
         m = child_tok.shape[0]
         tokens[n:n + m], scores[n:n + m], depths[n:n + m] = child_tok, child_score, depth
         if frontier is not None:
@@ -212,8 +216,11 @@ class Eagle3Drafter:
         P = feats.shape[0]                       # == length - 1 - kv_len: every entry up to the root
         device = feats.device
         tokens = context[self.kv_len + 1:self.kv_len + 1 + P][None]
+        # Logits over the head's draft vocabulary (often ~32k of 152k tokens): ranked there, the
+        # K winners mapped to tokens (``expand``'s vocab_map), never scattered into a target-wide row.
         logits, hidden = head(tokens, torch.arange(self.kv_len, self.kv_len + P, device=device), self.kv_len,
-                              last_only=True, features=feats[None], attention=ops.tree_attention)  # [1, 1, V]
+                              last_only=True, features=feats[None], attention=ops.tree_attention,
+                              draft_vocab=True)                                                  # [1, 1, Vd]
         root_slot = self.kv_len + P - 1
         self.kv_len += P
         self.features = feats[:0]
@@ -221,11 +228,12 @@ class Eagle3Drafter:
 
         def forward(tokens, parent_rows, positions, start, attn_mask, mask_prefix):
             lg, h = head(tokens[None], positions, start, attn_mask=attn_mask, mask_prefix=mask_prefix,
-                         features=state["hidden"][parent_rows][None], attention=ops.tree_attention)
+                         features=state["hidden"][parent_rows][None], attention=ops.tree_attention, draft_vocab=True)
             state["hidden"] = h[0]
             return lg[0]
 
-        return expand(logits[0], P, forward, root_slot, cfg, log_tau, ops)
+        return expand(logits[0], P, forward, root_slot, cfg, log_tau, ops,
+                      vocab_map=None if head.identity_vocab else head.draft_ids)
 
     def commit(self, path: Tensor, path_slots: Tensor, path_slots_host: list[int], features: Tensor | None,
                ops: Ops) -> None:

@@ -13,6 +13,7 @@ from graft_tk.models.checkpoint import load_transformer, read_config
 from graft_tk.models.eagle3 import Eagle3Config, Eagle3Head, default_target_layers
 from graft_tk.models.eagle3_checkpoint import Eagle3CheckpointError, load_eagle3, save_eagle3
 from graft_tk.ops import ops_for
+from graft_tk.reference.draft_expand import draft_expand
 
 from .kernel_utils import DEVICE, on_device
 from .tolerances import LOGITS_FP32_ATOL
@@ -141,7 +142,8 @@ def test_head_computes_the_published_formula(target, tmp_path, norm_before_resid
 def test_logits_cover_the_target_vocab_through_d2t(target):
     _, model = target
     head = _random_head(model)
-    logits, hidden = _run(head, _prompt(), torch.randn(1, 12, 3 * DIM))
+    features = torch.randn(1, 12, 3 * DIM)
+    logits, hidden = _run(head, _prompt(), features)
     assert logits.shape == (1, 12, VOCAB)
     assert torch.isneginf(logits[..., ~head.t2d]).all() and torch.isfinite(logits[..., head.t2d]).all()
     draft = F.linear(head.norm(hidden), head.lm_head.weight)            # [1, 12, DRAFT_VOCAB]
@@ -149,6 +151,15 @@ def test_logits_cover_the_target_vocab_through_d2t(target):
     best = draft.argmax(-1)
     assert torch.equal(logits.argmax(-1), best + head.d2t[best])        # target id = draft id + d2t
     assert int(head.t2d.sum()) == DRAFT_VOCAB and torch.equal(head.t2d.nonzero()[:, 0], head.draft_ids)
+    # A drafter ranks the draft-vocabulary logits and maps only the K winners: the same children
+    # and scores as ranking the target-wide row (-inf outside the draft vocabulary).
+    small, _ = _run(head, _prompt(), features, draft_vocab=True)
+    assert small.shape == (1, 12, DRAFT_VOCAB) and torch.equal(small, draft)
+    frontier = -torch.rand(12, generator=torch.Generator().manual_seed(1))
+    wide = draft_expand(frontier, logits[0], 4, -3.0)
+    narrow = draft_expand(frontier, small[0], 4, -3.0)
+    assert torch.equal(wide[0], head.draft_ids[narrow[0]]) and torch.allclose(wide[2], narrow[2])
+    assert all(torch.equal(a, b) for a, b in zip(wide[3:], narrow[3:])) and torch.equal(wide[1], narrow[1])
     with pytest.raises(InputError, match="same target id"):
         head.set_vocab_map(torch.zeros(DRAFT_VOCAB, dtype=torch.long).index_fill_(0, torch.tensor([1]), -1))
     with pytest.raises(InputError, match="outside the target vocabulary"):

@@ -162,6 +162,11 @@ class Eagle3Head(nn.Module):
         return self.config.target_layers
 
     @property
+    def identity_vocab(self) -> bool:
+        """Draft id i is token i for every token: the head's logits are over the target vocabulary."""
+        return self._identity_vocab
+
+    @property
     def embedding_weight(self) -> Tensor:
         return self._shared_embedding if self.tok_embeddings is None else self.tok_embeddings.weight
 
@@ -189,7 +194,8 @@ class Eagle3Head(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int, attn_mask: Tensor | None = None,
                 last_only: bool = False, mask_prefix: int | None = None, *,
-                features: Tensor, attention: Callable | None = None) -> tuple[Tensor, Tensor]:
+                features: Tensor, attention: Callable | None = None, draft_vocab: bool = False
+                ) -> tuple[Tensor, Tensor]:
         """Run new entries against the head's cache (arguments as ``Transformer.forward``).
 
         tokens:   [B, T] the token of each entry (the one AFTER the token the features describe)
@@ -199,6 +205,9 @@ class Eagle3Head(nn.Module):
         returns   (logits [B, T, V] float32 over the target vocabulary, -inf outside the draft
                   vocabulary; hidden [B, T, hidden], the pre-norm output to feed to children);
                   last_only keeps the last entry of both
+        draft_vocab: logits over the draft vocabulary [B, T, draft_vocab_size] instead, not
+                  scattered into a target-wide row (``draft_ids`` maps a draft id to its token):
+                  a drafter ranks these and maps only the K winners
         """
         c = self.config
         T = tokens.shape[1]
@@ -220,7 +229,7 @@ class Eagle3Head(nn.Module):
         if last_only:
             h = h[:, -1:]
         draft = F.linear(self.norm(h), self.lm_head.weight).float()   # [B, T, draft_vocab]
-        if self._identity_vocab:
+        if self._identity_vocab or draft_vocab:
             return draft, h
         logits = draft.new_full((*draft.shape[:-1], c.vocab_size), -math.inf)
         return logits.index_copy_(-1, self.draft_ids, draft), h
