@@ -23,12 +23,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -261,6 +263,10 @@ def compile_one(launch: Launch, arch: int) -> Result:
     return result
 
 
+def _compile_pair(pair: tuple[Launch, int]) -> Result:
+    return compile_one(*pair)
+
+
 def _kernel_by_name(name: str):
     for m in KERNEL_MODULES:
         fn = getattr(importlib.import_module(f"graft_tk.kernels.{m}"), name, None)
@@ -291,7 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", default="80,90", help="comma list of compute capabilities (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and no autotune candidates (CI)")
     p.add_argument("--json", default=None, metavar="OUT", help="every compile's result")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="compiles in parallel processes (default: one per CPU, %(default)s here)")
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
     try:
         archs = [int(a) for a in args.arch.split(",") if a.strip()]
     except ValueError:
@@ -300,11 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     launches = record_launches(args.quick)
     print(f"{len(launches)} distinct launches recorded; compiling for {', '.join(f'sm_{a}' for a in archs)} ...",
           file=sys.stderr)
+    work = [(launch, arch) for launch in launches for arch in archs]
     results = []
-    for i, launch in enumerate(launches):
-        for arch in archs:
-            results.append(compile_one(launch, arch))
-        print(f"\r  {i + 1}/{len(launches)}", end="", file=sys.stderr, flush=True)
+    # spawned workers (not forked from a process whose torch thread pool has run); results in order
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for result in pool.map(_compile_pair, work, chunksize=1):
+            results.append(result)
+            print(f"\r  {len(results)}/{len(work)}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     print(summary_table(results))
     failed = [r for r in results if not r.ok]
