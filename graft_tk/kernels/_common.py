@@ -23,6 +23,18 @@ def next_pow2(n: int) -> int:
 
 
 _SMS: dict = {}
+_UNUSED: dict = {}
+
+
+def unused(device, dtype):
+    """A one-element tensor (cached per device and dtype) for a pointer argument the kernel's
+    constexprs never read: no allocation and no fill kernel per launch (a CUDA graph can capture it)."""
+    import torch
+    key = (str(device), dtype)
+    if key not in _UNUSED:
+        _UNUSED[key] = torch.zeros(1, dtype=dtype, device=device)
+    return _UNUSED[key]
+
 
 
 def multiprocessors(device) -> int:

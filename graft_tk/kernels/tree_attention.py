@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..autotune import select
 from ..reference.tree_attention import check_tree_attention_args
-from ._common import interpreted, launch, multiprocessors, next_pow2
+from ._common import interpreted, launch, multiprocessors, next_pow2, unused
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two: tl.arange needs one, tl.dot needs >= 16
 _LOG2E = 1.4426950408889634          # softmax in base 2: exp(x) = exp2(x * log2(e)), one multiply folded into scale
@@ -273,20 +273,22 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tensor | Non
     keys_per_split = triton.cdiv(triton.cdiv(kv_len, splits), block_n) * block_n
     splits = triton.cdiv(kv_len, keys_per_split)        # no empty split
     causal = mask is None
-    mask_u8 = (torch.ones(1, 1, dtype=torch.bool, device=q.device) if causal else mask).view(torch.uint8)
+    # Arguments the constexprs never read (the causal mask, one split's partials) get a cached placeholder.
+    mask_u8, mask_strides = (unused(q.device, torch.uint8), (0, 0)) if causal else (mask.view(torch.uint8), mask.stride())
     if splits > 1:
         part_o = torch.empty(B, Hq, T, splits, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
-    else:       # not read: the kernel stores to ``out`` directly
-        part_o, part_lse = out.new_empty(1, 1, 1, 1, 1, dtype=torch.float32), out.new_empty(1, 1, 1, 1, dtype=torch.float32)
+        part_strides = (*part_o.stride(), *part_lse.stride())
+    else:       # the kernel stores to ``out`` directly
+        part_o = part_lse = unused(q.device, torch.float32)
+        part_strides = (0,) * 9
     if interpreted():
         meta = {name: value for name, value in meta.items() if name not in ("num_warps", "num_stages")}
     grid = (triton.cdiv(group * T, meta["BLOCK_M"]) * splits, Hkv, B)
     launch(_tree_attention_kernel, grid,
            q, k, v, mask_u8, out, part_o, part_lse,
            T, group, prefix_len, kv_len, scale * _LOG2E, splits, keys_per_split,
-           *q.stride(), *k.stride(), *v.stride(), *mask_u8.stride(), *out.stride(), *part_o.stride(),
-           *part_lse.stride(),
+           *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(), *part_strides,
            HEAD_DIM=D, CAUSAL=causal, SPLIT=splits > 1, DOT_FP32=interpreted() and q.dtype == torch.bfloat16,
            PRECISION="ieee" if q.dtype == torch.float32 else None, **meta)  # None: the target's default
     if splits > 1:
