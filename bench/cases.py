@@ -122,6 +122,23 @@ def _prompt_lookup(committed: int, spare: int = 128):
     return build
 
 
+def _quant_matmul(M: int, N: int, K: int, mode: str, dtype, bias: bool = False):
+    """x [M, K] times an int8 / int4 weight [N, K] (random integers, scales around 0.01)."""
+    def build(device):
+        g = _gen()
+        x = torch.randn(M, K, generator=g).to(dtype)
+        if mode == "int8":
+            q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+            scales, zeros = (torch.rand(N, generator=g) * 0.02).to(dtype), None
+        else:
+            q = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+            scales = (torch.rand(N, K // 32, generator=g) * 0.02).to(dtype)
+            zeros = (torch.randn(N, K // 32, generator=g) * 0.02).to(dtype).to(device)
+        b = torch.randn(N, generator=g).to(dtype).to(device) if bias else None
+        return x.to(device), q.to(device), scales.to(device), zeros, 32, b
+    return build
+
+
 CASES = [
     Case("draft_expand", "draft_expand", f"F=1 V={VOCAB} K={K}", _draft_expand(1, VOCAB)),
     Case("draft_expand", "draft_expand", f"F=4 V={VOCAB} K={K}", _draft_expand(K, VOCAB), quick=False),
@@ -139,6 +156,12 @@ CASES = [
          _tree_attention(1, 4096, torch.bfloat16), quick=False),
     Case("prompt_lookup", "prompt_lookup", "context 256, n-gram 3..1, L=10", _prompt_lookup(256)),
     Case("prompt_lookup", "prompt_lookup", "context 4096, n-gram 3..1, L=10", _prompt_lookup(4096), quick=False),
+    Case("quant_matmul", "quant_matmul", "int4 M=1 1536->8960 x2 bf16", _quant_matmul(1, 17920, 1536, "int4", torch.bfloat16)),
+    Case("quant_matmul", "quant_matmul", "int4 M=16 1536->8960 x2 bf16",
+         _quant_matmul(16, 17920, 1536, "int4", torch.bfloat16), quick=False),
+    Case("quant_matmul", "quant_matmul", "int8 M=1 8960->1536 bf16", _quant_matmul(1, 1536, 8960, "int8", torch.bfloat16)),
+    Case("quant_matmul", "quant_matmul", "int8 M=16 qkv 1536->2048 +bias bf16",
+         _quant_matmul(16, 2048, 1536, "int8", torch.bfloat16, bias=True), quick=False),
 ]
 
 

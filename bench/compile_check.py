@@ -13,7 +13,8 @@ constexprs as Triton's launcher makes them (unless the kernel says ``do_not_spec
 
 Shapes: vocab 49,152 (SmolLM2) and 151,936 (Qwen2.5); frontiers of 1, 4 and 16 rows; K = 1, 4, 8;
 trees of 1, 16 and 64 nodes; retrieval templates of 1 and 80 nodes with k = 1 and 8; head dim 64
-and 128; GQA groups 1, 2, 7 and 8; fp32 / fp16 / bf16. Tree attention is compiled at its
+and 128; GQA groups 1, 2, 7 and 8; quantized matmuls (int8 / int4, 1 to 64 rows, with and without
+bias); fp32 / fp16 / bf16. Tree attention is compiled at its
 heuristic tiles for every shape and, without ``--quick``, at every candidate tile of
 graft-autotune's search space. Exit status 1, naming kernel and config, when a kernel does not
 compile or needs more shared memory than the arch has.
@@ -55,7 +56,8 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
           torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 OPTIONS = ("num_warps", "num_stages")
-KERNEL_MODULES = ("accept", "build_tree", "commit_kv", "draft_expand", "prompt_lookup", "retrieve", "tree_attention")
+KERNEL_MODULES = ("accept", "build_tree", "commit_kv", "draft_expand", "prompt_lookup", "quant_matmul", "retrieve",
+                  "tree_attention")
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,13 @@ def op_calls(quick: bool):
                        (*cases._tree_attention(256, 0, dtype, hq=2 * group, hkv=2, d=d)("cpu")[:4], None))
     for committed in (256, 4096):
         yield f"context {committed}", "prompt_lookup", lambda committed=committed: cases._prompt_lookup(committed)("cpu")
+    for dtype in ((torch.float32, torch.bfloat16) if quick else (torch.float32, torch.float16, torch.bfloat16)):
+        for mode in ("int8", "int4"):
+            for M in ((1, 64) if quick else (1, 16, 64)):
+                for bias in (False, True):
+                    yield (f"{mode} {str(dtype)[6:]} M={M} N=2048 K=1536 bias={bias}", "quant_matmul",
+                           lambda dtype=dtype, mode=mode, M=M, bias=bias:
+                           cases._quant_matmul(M, 2048, 1536, mode, dtype, bias)("cpu"))
 
 
 def record_launches(quick: bool) -> list[Launch]:

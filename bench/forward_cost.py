@@ -1,10 +1,11 @@
 """What one forward costs with q new tokens: the cost curve a tree verify rides on.
 
     python bench/forward_cost.py --model qwen2.5-coder-1.5b --dtype bf16 --q 1,4,16,32 --prefix 200 [--compile]
+    python bench/forward_cost.py --drafter none --quant none,int8,int4 --q 1,2,4,8,16
 
 Prints one markdown row per model (the target, and with --drafter its drafter) and prefix: the
 median of --repeats forwards of q tokens after a prefix already in the KV cache, in milliseconds.
-``--prefix 100,3000`` shows how the cost grows with the context (attention's share). A tree
+``--prefix 100,3000`` shows how the cost grows with the context (attention's share); ``--quant`` one row per weight format. A tree
 verify of N nodes costs about the q = N forward, so where this curve is flat the budget is nearly
 free and where it is steep (a CPU without AVX-512, quantized weights) the best N is small.
 ``--compile`` times the compiled step forward (``graft_tk.compiled``) instead, after one untimed
@@ -46,19 +47,22 @@ def main() -> None:
     p.add_argument("--prefix", default="200", help="comma list of tokens already in the KV cache")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="time the compiled step forward")
+    p.add_argument("--quant", default="none", help="comma list of weight formats: none, int8, int4")
     args = p.parse_args()
     qs = [int(x) for x in args.q.split(",")]
     prefixes = [int(x) for x in args.prefix.split(",")]
     names = [args.model] + ([args.drafter] if args.drafter != "none" else [])
-    print(f"| model | dtype | forward | prefix | {' | '.join(f'q={q}' for q in qs)} |")
-    print("|---|---|---|---|" + "---|" * len(qs))
+    print(f"| model | dtype | weights | forward | prefix | {' | '.join(f'q={q}' for q in qs)} |")
+    print("|---|---|---|---|---|" + "---|" * len(qs))
     for name in names:
-        model = graft_tk.load_model(name, dtype=args.dtype, progress=False)
-        for prefix in prefixes:
-            costs = [forward_ms(model, q, prefix, args.repeats, args.compile) for q in qs]
-            kind = "compiled" if args.compile else "eager"
-            print(f"| {name} | {args.dtype} | {kind} | {prefix} | {' | '.join(f'{c:.0f} ms' for c in costs)} |",
-                  flush=True)
+        for quant in args.quant.split(","):
+            model = graft_tk.load_model(name, dtype=args.dtype, quant=quant, progress=False)
+            for prefix in prefixes:
+                costs = [forward_ms(model, q, prefix, args.repeats, args.compile) for q in qs]
+                kind = "compiled" if args.compile else "eager"
+                print(f"| {name} | {args.dtype} | {quant} | {kind} | {prefix} | "
+                      f"{' | '.join(f'{c:.0f} ms' for c in costs)} |", flush=True)
+            del model
 
 
 if __name__ == "__main__":

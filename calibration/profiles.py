@@ -68,11 +68,18 @@ class ProfileKey:
 
 
 def profile_key(target: Model, drafter: Model | Eagle3Head | None) -> ProfileKey:
+    """The pair's identity; a quantized model's format is part of its dtype (``bfloat16-int4``):
+    its costs, and so its best config, are its own."""
     return ProfileKey(target=target.name, target_weights=weights_fingerprint(target),
-                      drafter=drafter.name if drafter else None,
+                      drafter=drafter.name + _quant_suffix(drafter) if drafter else None,
                       drafter_weights=weights_fingerprint(drafter) if drafter else None,
-                      device=device_name(target.device), dtype=str(target.dtype).removeprefix("torch."),
-                      graft_tk=__version__)
+                      device=device_name(target.device),
+                      dtype=str(target.dtype).removeprefix("torch.") + _quant_suffix(target), graft_tk=__version__)
+
+
+def _quant_suffix(model) -> str:
+    quant = getattr(model, "quant", "none")
+    return "" if quant == "none" else f"-{quant}"
 
 
 def device_name(device: torch.device) -> str:
@@ -106,7 +113,7 @@ def weights_fingerprint(model: Model | Eagle3Head) -> str:
                              "save it (save_eagle3) and load it (load_eagle3)")
         path, extra = Path(model.path), "eagle3"
     else:
-        path, extra = Path(model.path), f"layers={model.config.n_layers}"
+        path, extra = Path(model.path), f"layers={model.config.n_layers}" + _quant_suffix(model)
     stamp = path / STAMP
     if stamp.exists():
         try:

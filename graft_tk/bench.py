@@ -67,19 +67,26 @@ def default_drafter(model: str) -> str | None:
     return HF_DRAFTERS.get(HF_ALIASES.get(model, model))
 
 
-def load_drafter(spec: str | None, target: Model, model: str, dtype=None, device=None) -> Model | Eagle3Head | None:
+def load_drafter(spec: str | None, target: Model, model: str, dtype=None, device=None,
+                 quant: str = "none") -> Model | Eagle3Head | None:
     """``None`` / ``"none"`` -> no drafter; ``"self:L"`` -> the target's first L layers (``model`` is
-    the target's name as given); ``"eagle3:PATH"`` -> an EAGLE-3 head for ``target``; else load_model(spec)."""
+    the target's name as given); ``"eagle3:PATH"`` -> an EAGLE-3 head for ``target``; else load_model(spec).
+    ``quant``: the drafter model's quantization (an EAGLE-3 head stays float)."""
     if spec is None or spec == "none":
         return None
     if spec.startswith("self:"):
         layers = spec[5:]
         if not layers.isdigit() or int(layers) < 1:
             raise InputError(f"--drafter self:L needs a layer count L >= 1, got {spec!r}")
-        return load_model(model, dtype=dtype, device=device, num_layers=int(layers))
+        return load_model(model, dtype=dtype, device=device, num_layers=int(layers), quant=quant)
     if spec.startswith("eagle3:"):
         return load_eagle3(spec[len("eagle3:"):], target)
-    return load_model(spec, dtype=dtype, device=device)
+    return load_model(spec, dtype=dtype, device=device, quant=quant)
+
+
+def drafter_quant(args) -> str:
+    """The drafter's quantization from a CLI's ``--drafter-quant`` (default: ``--quant``)."""
+    return args.drafter_quant or args.quant
 
 
 def drafter_spec(args) -> str | None:
@@ -386,6 +393,7 @@ def build_report(plan: Plan, rows: list[dict], args: dict | None = None) -> dict
         "machine": machine_info(),
         "config": {"target": plan.target.name, "drafter": plan.drafter.name if plan.drafter else None,
                    "dtype": str(plan.target.dtype).removeprefix("torch."), "device": str(plan.target.device),
+                   "quant": plan.target.quant, "drafter_quant": getattr(plan.drafter, "quant", None),
                    "methods": list(plan.methods), "max_new_tokens": plan.max_new_tokens,
                    "temperature": plan.temperature, "top_p": plan.top_p, "seed": plan.seed, "repeats": plan.repeats,
                    "compile": plan.compile, "adaptive": plan.adaptive, "graft": asdict(plan.config),

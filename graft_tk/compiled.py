@@ -36,7 +36,7 @@ def compiled_forward(net: Transformer, dynamic: bool = False):
     if dynamic not in by_mode:
         import torch._dynamo
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _GRAPHS_PER_CODE)
-        if net.lm_head_weight.device.type == "cuda":
+        if net.compute_weight.device.type == "cuda":
             fn = torch.compile(net.forward_static, fullgraph=True, dynamic=dynamic or None, mode="reduce-overhead")
         else:
             fn = torch.compile(net.forward_static, fullgraph=True, dynamic=dynamic or None,
@@ -51,7 +51,7 @@ class StepForward:
     def __init__(self, net: Transformer, compile: bool = False, dynamic: bool = False):
         self.net = net
         self.compiled = compiled_forward(net, dynamic) if compile else None
-        self._cuda_graphs = compile and net.lm_head_weight.device.type == "cuda"
+        self._cuda_graphs = compile and net.compute_weight.device.type == "cuda"
 
     def __call__(self, tokens: Tensor, positions: Tensor, start: int, attn_mask: Tensor | None = None,
                  last_only: bool = False, mask_prefix: int | None = None,

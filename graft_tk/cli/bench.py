@@ -24,7 +24,7 @@ from .. import config as config_mod
 from ..anchors import ANCHOR_NAMES, HFAnchors, parse_anchors, transformers_available
 from ..config import GraftConfig
 from ..errors import GraftError, InputError
-from ..models import load_model
+from ..models import QUANTS, load_model
 from ..prompts import load_prompts
 from ..sampling import check_sampling_args
 
@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the first K prompts of each category (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default bf16; fp32 to judge exactness)")
+    p.add_argument("--quant", default="none", choices=QUANTS,
+                   help="weight-only quantization of the target's linear layers (default: %(default)s; with int8/int4 "
+                        "use --dtype bf16 on a CPU)")
+    p.add_argument("--drafter-quant", default=None, choices=QUANTS,
+                   help="the drafter's quantization (default: --quant's)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; exactness is checked)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus cut when sampling (default: %(default)s)")
@@ -101,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\nnote: in bf16/fp16 a batched verification can flip a near-tie, so outputs may drift from ar's; "
               "judge exactness with --dtype fp32 (DESIGN.md §6)", file=sys.stderr)
     m = report["machine"]
-    print(f"\n{report['config']['target']} + {report['config']['drafter']}, {report['config']['dtype']}, "
+    quant = "" if report["config"]["quant"] == "none" else f" ({report['config']['quant']})"
+    print(f"\n{report['config']['target']} + {report['config']['drafter']}, {report['config']['dtype']}{quant}, "
           f"{len(report['prompts'])} prompts, {args.max_new_tokens} new tokens, temperature {args.temperature}, "
           f"top_p {args.top_p}; "
           f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}, "
@@ -130,10 +136,11 @@ def _run(args) -> dict:
     config = GraftConfig(**overrides)
     named_configs = _named_configs(args.config)
 
-    target = load_model(args.model, dtype=args.dtype, device=args.device)
+    target = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     spec = bench.drafter_spec(args)
     needs_drafter = any(m in config_mod.USES_DRAFTER for m in methods) or "hf_assisted" in anchors
-    drafter = bench.load_drafter(spec, target, args.model, args.dtype, args.device) if needs_drafter else None
+    drafter = (bench.load_drafter(spec, target, args.model, args.dtype, args.device, bench.drafter_quant(args))
+               if needs_drafter else None)
     if args.profile:
         from ..calibration.profiles import find_profile
         profile = find_profile(target, drafter)

@@ -28,10 +28,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..bench import drafter_spec, load_drafter
+from ..bench import drafter_quant, drafter_spec, load_drafter
 from ..config import METHODS, USES_DRAFTER, GraftConfig
 from ..errors import CorruptFileError, GraftError, InputError
-from ..models import load_model
+from ..models import QUANTS, load_model
 from ..prompts import Prompt, load_prompts, spec_bench_path
 from ..sampling import check_sampling_args
 
@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-dir", default=None, help="where profiles go (default: GRAFT_TK_PROFILE_DIR or "
                                                        "GRAFT_TK_HOME/profiles; decode reads the same place)")
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default bf16)")
+    p.add_argument("--quant", default="none", choices=QUANTS,
+                   help="weight-only quantization of the target's linear layers (default: %(default)s; with int8/int4 "
+                        "use --dtype bf16 on a CPU)")
+    p.add_argument("--drafter-quant", default=None, choices=QUANTS,
+                   help="the drafter's quantization (default: --quant's)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0, help="TPE sampler seed (and the decodes' sampling seed)")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -109,12 +114,13 @@ def run(args) -> int:
     check_sampling_args(args.temperature, args.top_p)
     if args.n_prompts < 1 or args.validate < 0:
         raise InputError("--n-prompts must be >= 1 and --validate >= 0")
-    target = load_model(args.model, dtype=args.dtype, device=args.device)
+    target = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     spec = drafter_spec(args)
     if spec is None and any(m in USES_DRAFTER for m in methods):
         raise InputError(f"no known drafter pairs with {args.model}: pass --drafter NAME (same tokenizer), "
                          "--drafter self:L, --eagle3 PATH, or --drafter none --methods retrieval,pld")
-    drafter = load_drafter(spec, target, args.model, dtype=args.dtype, device=args.device)
+    drafter = load_drafter(spec, target, args.model, dtype=args.dtype, device=args.device,
+                           quant=drafter_quant(args))
     if args.cost_only:
         return run_cost_only(args, target, drafter)
     args.prompts = args.prompts or default_prompts()

@@ -13,7 +13,7 @@ import sys
 import time
 
 from ..errors import GraftError
-from ..models import load_model
+from ..models import QUANTS, load_model
 from ..training.eagle3 import TrainConfig, train
 
 _DEFAULTS = TrainConfig()
@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
     p.add_argument("--restart", action="store_true", help="overwrite a run already in --out")
     p.add_argument("--dtype", default=None, help="the target's dtype: fp32 | bf16 | fp16 (default bf16)")
+    p.add_argument("--quant", default="none", choices=QUANTS,
+                   help="weight-only quantization of the target's linear layers (default: %(default)s; with int8/int4 "
+                        "use --dtype bf16 on a CPU)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return p
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                           distill_prompts=args.distill_prompts, distill_tokens=args.distill_tokens,
                           distill_weight=args.distill_weight, data=tuple(args.data), init=args.init, seed=args.seed,
                           save_every=args.save_every, mixed_precision=not args.fp32)
-        target = load_model(args.model, dtype=args.dtype, device=args.device)
+        target = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
         t0 = time.perf_counter()
         result = train(target, args.out, cfg, restart=args.restart, progress=not args.quiet)
     except GraftError as e:

@@ -11,13 +11,14 @@ import torch
 
 from ..errors import InputError, ModelNotFoundError
 from . import registry
-from .checkpoint import load_transformer, read_config
+from .checkpoint import load_transformer, quant_of, read_config
+from .quant import QUANTS, check_quant
 from .tokenizer import Tokenizer
 from .transformer import ModelConfig, Transformer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Model", "ModelConfig", "Transformer", "Tokenizer", "load_model", "parse_dtype"]
+__all__ = ["Model", "ModelConfig", "Transformer", "Tokenizer", "load_model", "parse_dtype", "QUANTS"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
@@ -31,14 +32,15 @@ class Model:
     config: ModelConfig
     tokenizer: Tokenizer
     net: Transformer
+    quant: str = "none"     # "none", "int8" or "int4" (graft_tk.models.quant)
 
     @property
     def device(self) -> torch.device:
-        return self.net.lm_head_weight.device
+        return self.net.compute_weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.net.lm_head_weight.dtype
+        return self.net.compute_weight.dtype
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -49,8 +51,9 @@ class Model:
 
     def __repr__(self) -> str:
         c = self.config
+        quant = "" if self.quant == "none" else f", {self.quant}"
         return (f"Model({self.name!r}, {c.arch}, {c.n_layers} layers, dim {c.dim}, "
-                f"{self.dtype}, {self.device})")
+                f"{self.dtype}{quant}, {self.device})")
 
 
 def parse_dtype(dtype) -> torch.dtype:
@@ -65,7 +68,7 @@ def parse_dtype(dtype) -> torch.dtype:
 
 
 def load_model(name_or_path: str | Path, *, dtype=None, device=None, num_layers: int | None = None,
-               progress: bool = True) -> Model:
+               quant: str = "none", progress: bool = True) -> Model:
     """Load a model for decoding.
 
     name_or_path: a built-in name (``smollm2-135m``, ``qwen2.5-coder-1.5b``, ``qwen2.5-coder-0.5b``),
@@ -74,23 +77,29 @@ def load_model(name_or_path: str | Path, *, dtype=None, device=None, num_layers:
     dtype: torch dtype or "fp32" / "bf16" / "fp16"; default bf16.
     device: default "cuda" when available, else "cpu".
     num_layers: keep only the first L decoder layers (+ final norm and head) — a self-drafter.
+    quant: "none" | "int8" | "int4": weight-only quantized linear layers (``graft_tk.models.quant``);
+        a GGUF model is quantized from its blocks once into its own cache folder, others on load.
+        dtype is then the compute dtype (activations, scales, KV cache); on a CPU use bf16: torch's
+        packed kernels are fast for bf16 activations and slow for fp32 ones.
     """
     if num_layers is not None and num_layers < 1:
         raise InputError(f"num_layers must be >= 1, got {num_layers}")
+    quant = check_quant(quant)
     t0 = time.perf_counter()
-    name, path = resolve(str(name_or_path), progress)
+    name, path = resolve(str(name_or_path), progress, quant)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = read_config(path, num_layers)
     tokenizer = Tokenizer(path)
-    net = load_transformer(path, cfg, parse_dtype(dtype), device)
+    net = load_transformer(path, cfg, parse_dtype(dtype), device, quant)
     if num_layers is not None:
         name = f"{name}[:{num_layers}]"
-    log.info("loaded %s from %s in %.1fs", name, path, time.perf_counter() - t0)
-    return Model(name=name, path=path, config=cfg, tokenizer=tokenizer, net=net)
+    log.info("loaded %s (%s) from %s in %.1fs", name, quant, path, time.perf_counter() - t0)
+    return Model(name=name, path=path, config=cfg, tokenizer=tokenizer, net=net, quant=quant)
 
 
-def resolve(name: str, progress: bool = True) -> tuple[str, Path]:
-    """(display name, checkpoint folder) for anything ``load_model`` accepts."""
+def resolve(name: str, progress: bool = True, quant: str = "none") -> tuple[str, Path]:
+    """(display name, checkpoint folder) for anything ``load_model`` accepts; a GGUF source with
+    ``quant`` gets its quantized folder (a float folder otherwise: quantized on load)."""
     p = Path(name).expanduser()
     if p.is_dir():
         if not (p / "config.json").exists():
@@ -103,13 +112,14 @@ def resolve(name: str, progress: bool = True) -> tuple[str, Path]:
         # Keyed by path, size and mtime: a changed file gets a fresh conversion without re-hashing.
         st = p.stat()
         key = hashlib.sha1(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        return p.stem, _converted(p, f"gguf-{p.stem}-{key}", key, progress)
+        return p.stem, _converted(p, _quant_dir(f"gguf-{p.stem}-{key}", quant), key, progress, quant)
     if name in registry.REGISTRY:
         entry = registry.REGISTRY[name]
-        out = registry.converted_dir(name)
+        out = registry.converted_dir(_quant_dir(name, quant))
         if registry.stamp_ok(out, entry.sha256):
             return name, out
-        return name, _converted(registry.fetch_gguf(entry, progress), name, entry.sha256, progress)
+        return name, _converted(registry.fetch_gguf(entry, progress), _quant_dir(name, quant), entry.sha256, progress,
+                                quant)
     repo_id = registry.HF_ALIASES.get(name, name)
     if "/" in repo_id:
         snap = registry.find_in_hf_cache(repo_id)
@@ -118,14 +128,18 @@ def resolve(name: str, progress: bool = True) -> tuple[str, Path]:
     raise registry.not_found(name)
 
 
-def _converted(gguf_path: Path, dir_name: str, source_key: str, progress: bool) -> Path:
+def _quant_dir(dir_name: str, quant: str) -> str:
+    return dir_name if quant == "none" else f"{dir_name}-{quant}"
+
+
+def _converted(gguf_path: Path, dir_name: str, source_key: str, progress: bool, quant: str = "none") -> Path:
     from .gguf import convert_gguf  # imports the gguf package only when a conversion is needed
 
     out = registry.converted_dir(dir_name)
-    if registry.stamp_ok(out, source_key):
+    if registry.stamp_ok(out, source_key) and quant_of(out) == quant:
         return out
     if out.exists():
         log.warning("%s is incomplete or stale; converting %s again", out, gguf_path)
-    convert_gguf(gguf_path, out, progress=progress)
+    convert_gguf(gguf_path, out, progress=progress, quant=quant)
     registry.write_stamp(out, source_key)
     return out

@@ -124,32 +124,69 @@ def _to_ours(name: str, n_layers: int) -> tuple[str, int | None, str | None] | N
 _FUSE_ORDER = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
 
 
-def load_transformer(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Transformer:
-    """Build the model on the meta device and fill it from the checkpoint's tensors."""
+_QUANT_PARTS = ("qweight", "scales", "zeros")
+
+
+def quant_of(path: Path) -> str:
+    """The quantization a checkpoint folder holds: "none", or "int8" / "int4" (its ``quant.json``)."""
+    f = path / "quant.json"
+    if not f.exists():
+        return "none"
+    try:
+        return json.loads(f.read_text())["quant"]
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise CorruptFileError(f"{f} cannot be read ({e}); delete {path} to convert the model again") from e
+
+
+def load_transformer(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                     quant: str = "none") -> Transformer:
+    """Build the model on the meta device and fill it from the checkpoint's tensors. A quantized
+    folder (``quant.json``) gives QuantLinear layers; ``quant`` on a float folder quantizes them
+    after loading (``quantize_model``)."""
+    from .quant import QuantLinear, quantize_model
+
     with torch.device("meta"):
         net = Transformer(cfg)
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for hf_name, t in _hf_tensors(path):
+        base, _, suffix = hf_name.rpartition(".")
+        if suffix in _QUANT_PARTS:      # a quantized weight's part: integers as stored, scales kept fp32 here
+            hf_name = base + ".weight"
+        else:
+            suffix, t = "", t.to(dtype=dtype)
         mapped = _to_ours(hf_name, cfg.n_layers)
         if mapped is None:
             continue
         name, _, slot = mapped
-        t = t.to(device=device, dtype=dtype)
+        if suffix:
+            name = name.removesuffix("weight") + suffix
+        t = t.to(device=device)
         if slot is None:
             state[name] = t
         else:
             parts.setdefault(name, {})[slot] = t
     for name, pieces in parts.items():
         state[name] = torch.cat([pieces[s] for s in sorted(pieces, key=_FUSE_ORDER.__getitem__)], dim=0)
-    if cfg.tie_word_embeddings:
+    for name in [n.removesuffix(".qweight") for n in state if n.endswith(".qweight")]:
+        parent, _, attr = name.rpartition(".")
+        layer = QuantLinear(state.pop(name + ".qweight"), state.pop(name + ".scales"), state.pop(name + ".zeros", None),
+                            state.pop(name + ".bias", None), dtype)
+        setattr(net.get_submodule(parent) if parent else net, attr, layer)
+    if cfg.tie_word_embeddings and not isinstance(net.output, QuantLinear):
         state.pop("output.weight", None)
-    expected = set(net.state_dict())
+    expected = {n for n, _ in net.named_parameters()}
     missing = expected - set(state)
     if missing:
         raise UnsupportedModelError(f"{path} lacks {len(missing)} tensors the {cfg.arch} architecture needs, "
                                     f"e.g. {sorted(missing)[:3]}; is it a complete {cfg.arch} checkpoint?")
-    net.load_state_dict(state, assign=True, strict=True)
+    unexpected = set(state) - expected
+    if unexpected:
+        raise UnsupportedModelError(f"{path} has tensors the {cfg.arch} architecture does not use, "
+                                    f"e.g. {sorted(unexpected)[:3]}")
+    net.load_state_dict(state, assign=True, strict=False)
     # Buffers built on meta (RoPE frequencies) are recomputed on the real device.
     net.inv_freq = rope_inv_freq(cfg).to(device)
+    if quant != "none" and quant_of(path) == "none":
+        quantize_model(net, quant)
     return net.eval().requires_grad_(False)

@@ -64,13 +64,16 @@ _LLAMA3_SPLIT = (
 _CONTROL, _USER_DEFINED = 3, 4
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Path:
+def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True, quant: str = "none") -> Path:
     """Write an HF checkpoint folder for ``gguf_path`` at ``out_dir`` and return ``out_dir``.
 
-    The folder (config.json, model.safetensors in float32, tokenizer.json, tokenizer_config.json,
+    The folder (config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
     generation_config.json) appears atomically: on any error no ``out_dir`` is left behind.
-    Raises UnsupportedModelError for an architecture or tokenizer we cannot convert, and
-    CorruptFileError for a truncated or unreadable file.
+    ``quant="none"``: every tensor in float32. ``"int8"`` / ``"int4"``: the linear layers
+    quantized from their GGUF blocks (``_linear_formats``) and a ``quant.json`` saying which format
+    each got; the embedding in fp16, norms and biases in fp32; no float32 copy of a linear layer
+    is ever written. Raises UnsupportedModelError for an architecture or tokenizer we cannot
+    convert, and CorruptFileError for a truncated or unreadable file.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
@@ -90,7 +93,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
 
     log.info("converting %s (%s, %d tensors) to %s", gguf_path, arch, len(plan), out_dir)
     with atomic_dir(out_dir) as tmp:
-        _write_safetensors(tmp / "model.safetensors", plan, gguf_path, progress)
+        if quant == "none":
+            _write_safetensors(tmp / "model.safetensors", plan, gguf_path, progress)
+        else:
+            formats = _write_quantized(tmp / "model.safetensors", plan, gguf_path, progress, quant)
+            (tmp / "quant.json").write_text(json.dumps({"quant": quant, "group": 32, "formats": formats}, indent=1))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(gen_config, indent=2))
         (tmp / "tokenizer.json").write_text(tok_json, encoding="utf-8")
@@ -213,7 +220,6 @@ def _write_safetensors(dest: Path, plan, path: Path, progress: bool) -> None:
     float32); the format is simple enough to write directly: an 8-byte little-endian header
     length, a JSON header of dtype/shape/byte offsets, then the raw tensor bytes in order.
     """
-    from gguf.quants import dequantize
     from tqdm import tqdm
 
     header, offset = {"__metadata__": {"format": "pt"}}, 0
@@ -228,16 +234,77 @@ def _write_safetensors(dest: Path, plan, path: Path, progress: bool) -> None:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for name, t, shape, heads in tqdm(plan, desc="dequantising", unit="tensor",
                                           disable=not progress, file=sys.stderr):
-            if t.data.nbytes != t.n_bytes:  # memmap slice cut short by a truncated file
-                raise _corrupt(path, f"tensor {t.name} has {t.data.nbytes} of {t.n_bytes} bytes")
-            try:
-                w = dequantize(t.data, t.tensor_type)
-            except NotImplementedError as e:
-                raise UnsupportedModelError(f"{path}: {t.name}: {e}") from e
-            w = np.ascontiguousarray(w.astype(np.float32, copy=False).reshape(shape))
-            if heads is not None:
-                w = np.ascontiguousarray(_unpermute(w, heads))
-            f.write(w.astype("<f4", copy=False).tobytes())
+            f.write(_dequantized(t, shape, heads, path).astype("<f4", copy=False).tobytes())
+
+
+_FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
+# HF linear weights that are fused into one matmul (Transformer's wqkv and w13): one format for all.
+_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def _linear_formats(plan, quant: str) -> dict[str, str]:
+    """HF linear weight name -> "int4" / "int8". int8 quantizes everything per output channel. int4
+    keeps 4-bit tensors (Q4_0, Q4_1, Q4_K: groups of 32) 4-bit and gives those stored finer in the
+    GGUF (Q5_x, Q6_K, Q8_0, F16, F32) int8 per output channel, the nearest format that does not
+    lose their extra bits; a fused matmul takes the finer format of its parts. A tied LM head
+    (no ``lm_head.weight``) is made from the embedding and named ``lm_head.weight`` here."""
+    linear = {name: t.tensor_type.name for name, t, _, _ in plan
+              if name.endswith("_proj.weight") or name == "lm_head.weight"}
+    if "lm_head.weight" not in linear:
+        linear["lm_head.weight"] = next(t.tensor_type.name for name, t, _, _ in plan if name == "model.embed_tokens.weight")
+    if quant == "int8":
+        return dict.fromkeys(linear, "int8")
+    groups: dict[str, bool] = {}                        # fused group -> all parts 4-bit
+    key = lambda name: name.rsplit(".", 3)[0] + "." + _FUSED.get(name.split(".")[-2], name)  # noqa: E731
+    for name, kind in linear.items():
+        groups[key(name)] = groups.get(key(name), True) and kind in _FOUR_BIT
+    return {name: "int4" if groups[key(name)] else "int8" for name in linear}
+
+
+def _write_quantized(dest: Path, plan, path: Path, progress: bool, quant: str) -> dict[str, str]:
+    """Quantize the linear layers tensor by tensor (``_linear_formats``) into a safetensors file
+    of ``NAME.qweight`` / ``NAME.scales`` / ``NAME.zeros`` (NAME = the HF weight name without
+    ``.weight``); other tensors float (the embedding fp16). Returns the formats."""
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from .quant import quantize_int4, quantize_int8
+
+    formats = _linear_formats(plan, quant)
+    tied = not any(name == "lm_head.weight" for name, *_ in plan)
+    out: dict[str, torch.Tensor] = {}
+    for name, t, shape, heads in tqdm(plan, desc=f"quantizing ({quant})", unit="tensor", disable=not progress,
+                                      file=sys.stderr):
+        w = torch.tensor(_dequantized(t, shape, heads, path))  # a copy: F32 tensors are read-only memmap views
+        targets = [name] if name in formats else []
+        if name == "model.embed_tokens.weight":
+            out[name] = w.half()
+            targets = ["lm_head.weight"] if tied else []
+        elif name not in formats:
+            out[name] = w
+        for target in targets:
+            base = target.removesuffix(".weight")
+            if formats[target] == "int4":
+                out[base + ".qweight"], out[base + ".scales"], out[base + ".zeros"] = quantize_int4(w)
+            else:
+                out[base + ".qweight"], out[base + ".scales"] = quantize_int8(w)
+    save_file(out, str(dest), metadata={"format": "pt", "graft_tk_quant": quant})
+    return formats
+
+
+def _dequantized(t, shape, heads, path: Path) -> np.ndarray:
+    """One GGUF tensor as float32 in HF layout."""
+    from gguf.quants import dequantize
+
+    if t.data.nbytes != t.n_bytes:  # memmap slice cut short by a truncated file
+        raise _corrupt(path, f"tensor {t.name} has {t.data.nbytes} of {t.n_bytes} bytes")
+    try:
+        w = dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise UnsupportedModelError(f"{path}: {t.name}: {e}") from e
+    w = np.ascontiguousarray(w.astype(np.float32, copy=False).reshape(shape))
+    return np.ascontiguousarray(_unpermute(w, heads)) if heads is not None else w
 
 
 def _tokenizer(meta: _Meta, path: Path) -> tuple[str, dict]:

@@ -313,7 +313,15 @@ class Transformer(nn.Module):
 
     @property
     def lm_head_weight(self) -> Tensor:
-        return self.tok_embeddings.weight if self.output is None else self.output.weight
+        """The LM head's float weight [V, dim] (dequantized when the head is quantized)."""
+        if self.output is None:
+            return self.tok_embeddings.weight
+        return self.output.dequantized() if hasattr(self.output, "dequantized") else self.output.weight
+
+    @property
+    def compute_weight(self) -> Tensor:
+        """A weight in the compute dtype on the model's device (the embedding: never quantized)."""
+        return self.tok_embeddings.weight
 
     @property
     def cache_len(self) -> int:
@@ -322,7 +330,7 @@ class Transformer(nn.Module):
     def setup_cache(self, max_seq_len: int, batch_size: int = 1) -> None:
         """Allocate the static KV cache and RoPE tables; kept when already large enough for this batch."""
         c = self.config
-        ensure_cache(self, c.n_layers, batch_size, c.n_kv_heads, max_seq_len, c.head_dim, self.lm_head_weight)
+        ensure_cache(self, c.n_layers, batch_size, c.n_kv_heads, max_seq_len, c.head_dim, self.compute_weight)
 
     def forward(self, tokens: Tensor, positions: Tensor, start: int, attn_mask: Tensor | None = None,
                 last_only: bool = False, mask_prefix: int | None = None,
@@ -391,7 +399,8 @@ class Transformer(nn.Module):
 
     def logits(self, x: Tensor) -> Tensor:
         """The LM head over the last layer's residual stream x [..., dim]: fp32 logits [..., V]."""
-        return F.linear(self.norm(x), self.lm_head_weight).float()
+        h = self.norm(x)
+        return (F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)).float()
 
     def commit_kv(self, src_slots: Tensor, dst_start: int) -> None:
         """Move the KV at ``src_slots`` [n] (all layers) into slots [dst_start, dst_start + n).

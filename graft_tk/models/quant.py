@@ -1,0 +1,153 @@
+"""Weight-only quantized models: int8 per output channel, int4 per group of 32 (formats in
+``graft_tk.reference.quant_matmul``).
+
+``quantize_model(net, "int4")`` replaces every linear layer of a float ``Transformer`` — fused
+QKV (with Qwen2's bias), the output projection, fused gate/up, down, and the LM head (untied
+from the embedding, which stays a float lookup table) — by a ``QuantLinear``. Activations, norms
+and the KV cache keep the compute dtype. A GGUF model is quantized from its own blocks when it is
+converted (``graft_tk.models.gguf``), so a 4-bit tensor stays 4-bit: Q4_0 / Q4_1 blocks and
+Q4_K's sub-blocks are groups of 32, and ``scale * q + min`` is rebuilt exactly whenever a group
+uses both q = 0 and q = 15 (most do; the rest are re-quantized within the group's own range).
+
+Where the matmul runs:
+  * CPU: torch's packed kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``; the
+    int4 weight is repacked into their layout at load and its scales and zeros into one
+    [K / 32, N, 2] tensor);
+  * CUDA: the Triton kernel ``graft_tk.kernels.quant_matmul`` (W4A16 / W8A16);
+  * anywhere else: the torch reference.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import InputError
+from ..reference import quant_matmul as reference
+
+QUANTS = ("none", "int8", "int4")
+GROUP = 32                 # int4 group: GGUF's Q4_0 / Q4_1 block and Q4_K sub-block
+
+
+def check_quant(quant: str | None) -> str:
+    """``quant`` checked: "none" (also for None), "int8" or "int4"."""
+    quant = quant or "none"
+    if quant not in QUANTS:
+        raise InputError(f"unknown quantization {quant!r}; use one of {', '.join(QUANTS)}")
+    return quant
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """float [N, K] -> (int8 [N, K], fp32 scales [N]): symmetric per output channel, |q| <= 127."""
+    w = w.float()
+    scales = w.abs().amax(dim=1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(w: Tensor, group: int = GROUP) -> tuple[Tensor, Tensor, Tensor]:
+    """float [N, K] -> (uint8 [N, K / 2], fp32 scales, zeros [N, K / group]): per group, the range
+    [min, max] in 15 steps, ``W = (q - 8) * scale + zero`` with ``zero = min + 8 * scale``."""
+    N, K = w.shape
+    if K % group or group % 2:
+        raise InputError(f"int4 needs K ({K}) divisible by an even group size ({group})")
+    g = w.float().reshape(N, K // group, group)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scales = (hi - lo) / 15
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round((g - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8).reshape(N, K)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return packed, scales, lo + 8 * scales
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T + b`` with W int8 or int4 (formats in ``graft_tk.reference.quant_matmul``).
+
+    Built on its device from the canonical tensors (``qweight``, ``scales``, ``zeros`` or None for
+    int8) and kept there: on a CPU an int4 weight is held only in the layout of torch's packed
+    kernel (when it takes the shape). ``dtype`` is the compute dtype: activations in and out, scales and bias.
+    """
+
+    def __init__(self, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bias: Tensor | None,
+                 dtype: torch.dtype, group: int = GROUP):
+        super().__init__()
+        self.mode = "int8" if zeros is None else "int4"
+        self.out_features = qweight.shape[0]
+        self.in_features = qweight.shape[1] * (2 if self.mode == "int4" else 1)
+        self.group = group
+        # torch's CPU kernels (int4: N a multiple of 16); else the Triton kernel or the reference
+        self.cpu = qweight.device.type == "cpu" and (self.mode == "int8" or self.out_features % 16 == 0)
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        if self.mode == "int8":
+            self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
+            self.register_buffer("scales", scales.to(dtype))
+            self.register_buffer("zeros", None)
+        elif self.cpu:  # torch's CPU int4 kernel: its own packing, scales and zeros as [K / group, N, 2]
+            q = reference.unpack_int4(qweight).to(torch.int32)
+            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            self.register_buffer("scales", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype))
+            self.register_buffer("zeros", None)
+        else:
+            self.register_buffer("qweight", qweight.contiguous())
+            self.register_buffer("scales", scales.to(dtype).contiguous())
+            self.register_buffer("zeros", zeros.to(dtype).contiguous())
+
+    @classmethod
+    def from_float(cls, weight: Tensor, bias: Tensor | None, mode: str, dtype: torch.dtype) -> "QuantLinear":
+        """Quantize a float weight [N, K] (int4 falls back to int8 when K is not a multiple of 32)."""
+        if mode == "int4" and weight.shape[1] % GROUP == 0:
+            return cls(*quantize_int4(weight), bias, dtype)
+        return cls(*quantize_int8(weight), None, bias, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.cpu:
+            x2 = x2.contiguous()
+            if self.mode == "int8":
+                y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            if x2.device.type == "cuda":
+                from ..kernels.quant_matmul import quant_matmul
+            else:
+                quant_matmul = reference.quant_matmul
+            y = quant_matmul(x2, self.qweight, self.scales, self.zeros, self.group, self.bias)
+        return y.reshape(*lead, self.out_features)
+
+    def dequantized(self) -> Tensor:
+        """The float weight [N, K] this layer multiplies by (for tools that need it, e.g. EAGLE-3 training)."""
+        if self.cpu and self.mode == "int4":   # read back through the kernel: I @ W^T = W^T
+            eye = torch.eye(self.in_features, dtype=self.scales.dtype, device=self.qweight.device)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group, self.scales).T.contiguous()
+        return reference.dequantize(self.qweight, self.scales, self.zeros, self.group).to(self.scales.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {self.mode}, bias={self.bias is not None}"
+
+
+def linear_names(net: nn.Module) -> list[str]:
+    """The linear layers a quantization replaces, by module name (the LM head as ``output``)."""
+    return [name for name, m in net.named_modules() if isinstance(m, nn.Linear)]
+
+
+def quantize_model(net: nn.Module, quant: str, formats: dict[str, str] | None = None) -> nn.Module:
+    """Replace every linear layer of a float Transformer (in place) by a QuantLinear of ``quant``
+    ("int8" / "int4"; ``formats`` may give a layer its own), the LM head included: a tied head
+    becomes its own quantized ``output`` and the embedding stays float. Returns ``net``."""
+    quant = check_quant(quant)
+    if quant == "none":
+        return net
+    dtype = net.tok_embeddings.weight.dtype
+    if net.output is None:
+        net.output = QuantLinear.from_float(net.tok_embeddings.weight, None, (formats or {}).get("output", quant), dtype)
+    for name in linear_names(net):
+        parent, _, attr = name.rpartition(".")
+        holder = net.get_submodule(parent) if parent else net
+        m = getattr(holder, attr)
+        setattr(holder, attr, QuantLinear.from_float(m.weight, m.bias, (formats or {}).get(name, quant), dtype))
+    return net
+

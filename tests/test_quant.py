@@ -1,0 +1,201 @@
+"""Weight-only quantized models: the formats, the matmuls (torch reference, Triton kernel, torch's
+CPU packed kernels), GGUF blocks kept 4-bit, and every method lossless on a quantized model."""
+import copy
+import json
+
+import pytest
+import torch
+
+import graft_tk
+from graft_tk.config import GraftConfig
+from graft_tk.decode import encode_prompt
+from graft_tk.errors import CorruptFileError, InputError
+from graft_tk.kernels.quant_matmul import quant_matmul as kernel_quant_matmul
+from graft_tk.models import registry
+from graft_tk.models.checkpoint import _hf_tensors
+from graft_tk.models.quant import QuantLinear, quantize_int4, quantize_int8, quantize_model
+from graft_tk.reference.quant_matmul import dequantize, quant_matmul, unpack_int4
+
+from .chi2 import chi2, chi2_critical
+from .test_engine import SPECULATIVE, _tiny, exact_joint, sample_joint
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def test_int4_layout_is_the_documented_one():
+    """The reference module's worked example: group 2, W = [0.5, 1.0, -1.0, -0.5]."""
+    packed, scales, zeros = quantize_int4(torch.tensor([[0.5, 1.0, -1.0, -0.5]]), group=2)
+    assert packed.tolist() == [[0xF0, 0xF0]]
+    assert unpack_int4(packed).tolist() == [[0, 15, 0, 15]]
+    assert torch.allclose(dequantize(packed, scales, zeros, 2), torch.tensor([[0.5, 1.0, -1.0, -0.5]]))
+
+
+def test_quantizers_bound_their_error():
+    torch.manual_seed(0)
+    w = torch.randn(64, 128)
+    q8, s8 = quantize_int8(w)
+    assert ((dequantize(q8, s8, None, 0) - w).abs() <= s8[:, None] / 2 + 1e-6).all()
+    q4, s4, z4 = quantize_int4(w)
+    assert ((dequantize(q4, s4, z4, 32) - w).abs() <= s4.repeat_interleave(32, 1) / 2 + 1e-6).all()
+    with pytest.raises(InputError, match="divisible"):
+        quantize_int4(torch.randn(4, 48))
+
+
+def _weights(mode: str, N: int, K: int, dtype):
+    w = torch.randn(N, K)
+    if mode == "int8":
+        q, s = quantize_int8(w)
+        return q, s.to(dtype), None
+    q, s, z = quantize_int4(w)
+    return q, s.to(dtype), z.to(dtype)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M,N,K", [(1, 70, 64), (5, 33, 128), (17, 64, 96), (64, 16, 32)])
+def test_triton_kernel_matches_the_reference(mode, dtype, M, N, K):
+    torch.manual_seed(M * N + K)
+    q, s, z = _weights(mode, N, K, dtype)
+    x, bias = torch.randn(M, K).to(dtype), torch.randn(N).to(dtype)
+    for b in (None, bias):
+        got, want = kernel_quant_matmul(x, q, s, z, 32, b), quant_matmul(x, q, s, z, 32, b)
+        assert got.dtype == dtype and got.shape == (M, N)
+        ulp = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+        torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=ulp * want.abs().max().item())
+
+
+def test_triton_kernel_rejects_a_weight_of_the_wrong_shape():
+    q, s, z = _weights("int4", 8, 64, torch.float32)
+    with pytest.raises(ValueError, match="does not match K"):
+        kernel_quant_matmul(torch.randn(2, 32), q, s, z, 32)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_packed_layer_matches_the_reference_and_is_row_invariant(mode, dtype):
+    """torch's packed CPU kernels give the reference's product, and a row's result does not depend on
+    how many rows share the call: what makes a verified tree of n tokens agree with n one-token
+    forwards, so speculative decoding on a quantized model stays token-identical to ``ar``."""
+    torch.manual_seed(1)
+    N, K = 96, 256
+    q, s, z = _weights(mode, N, K, torch.float32)
+    bias = torch.randn(N)
+    layer = QuantLinear(q, s, z, bias, dtype)
+    x = torch.randn(2, 16, K).to(dtype)
+    y = layer(x)
+    assert y.shape == (2, 16, N) and y.dtype == dtype
+    want = quant_matmul(x.reshape(-1, K), q, s.to(dtype), None if z is None else z.to(dtype), 32, bias.to(dtype))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.reshape(-1, N).float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+    for m in (1, 3, 7):
+        assert torch.equal(layer(x[0, :m]), y[0, :m])
+    torch.testing.assert_close(layer.dequantized().float(), dequantize(q, s.to(dtype), z if z is None else z.to(dtype), 32),
+                               rtol=tol, atol=tol)
+
+
+def test_quantize_model_replaces_every_linear_and_unties_the_head():
+    """...and the quantized model computes what the float model computes with its weights dequantized."""
+    model = _tiny(3, 2, vocab=11)
+    model.net.output = None                       # tied to the embedding, as SmolLM2
+    ids = torch.tensor([[1, 4, 2, 7]])
+    float_net = copy.deepcopy(model.net)
+    quantize_model(model.net, "int4")
+    layers = [m for m in model.net.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 2 * 4 + 1                   # wqkv, wo, w13, w2 per layer + the head
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.net.modules())
+    assert model.net.layers[0].feed_forward.w2.mode == "int8"     # K = 48: not a multiple of 32
+    assert model.net.layers[0].attention.wqkv.mode == "int4"
+    assert model.net.tok_embeddings.weight.dtype == torch.float32
+    float_net.output = torch.nn.Linear(32, 11, bias=False)
+    for name, layer in model.net.named_modules():
+        if isinstance(layer, QuantLinear):
+            float_net.get_submodule(name).weight.data = layer.dequantized()
+    for net in (model.net, float_net):
+        net.setup_cache(8)
+    torch.testing.assert_close(model.net(ids, torch.arange(4), 0), float_net(ids, torch.arange(4), 0))
+    with pytest.raises(InputError, match="unknown quantization"):
+        quantize_model(model.net, "int3")
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_every_method_equals_ar_greedy_on_random_quantized_weights(quant):
+    target, drafter = _tiny(1, 2, vocab=64), _tiny(2, 1, vocab=64)
+    for m in (target, drafter):
+        quantize_model(m.net, quant)
+    prompt = [1, 5, 9, 1, 5, 9, 1, 5]
+    ref = graft_tk.decode(target, prompt, max_new_tokens=12)
+    for method in SPECULATIVE:
+        got = graft_tk.decode(target, prompt, drafter=drafter, method=method, max_new_tokens=12,
+                              config=GraftConfig(budget=10, tau=0.05))
+        assert got.tokens == ref.tokens, method
+
+
+def test_sampling_on_int4_weights_matches_the_exact_joint_distribution():
+    target, drafter = _tiny(1, 2, vocab=4), _tiny(2, 1, vocab=4)
+    for m in (target, drafter):
+        quantize_model(m.net, "int4")
+    exact = exact_joint(target, [1, 3, 0, 1], 5, 0.7, 0.8)
+    counts, steps = sample_joint("graft", target, drafter, 800, 0.7, 0.8)
+    assert steps >= 2
+    stat, df = chi2(counts, exact)
+    assert stat < chi2_critical(df), (stat, df)
+
+
+@pytest.fixture(scope="module")
+def smollm2_int4(smollm2_gguf):
+    return graft_tk.load_model("smollm2-135m", dtype="bf16", quant="int4", progress=False)
+
+
+def test_gguf_int4_keeps_4bit_blocks_exactly_and_is_smaller(smollm2, smollm2_int4):
+    """SmolLM2's Q4_1 blocks become int4 groups that reproduce the GGUF's values bit for bit; the Q8_0
+    embedding gives the LM head int8; the cache holds no fp32 copy of a linear layer."""
+    folder = smollm2_int4.path
+    assert folder.name == "smollm2-135m-int4"
+    formats = json.loads((folder / "quant.json").read_text())["formats"]
+    assert formats["lm_head.weight"] == "int8"
+    assert {f for n, f in formats.items() if n != "lm_head.weight"} == {"int4"}
+    floats = dict(_hf_tensors(smollm2.path))
+    quantized = dict(_hf_tensors(folder))
+    assert not any(n.endswith("_proj.weight") for n in quantized)
+    assert quantized["model.embed_tokens.weight"].dtype == torch.float16
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.29.mlp.down_proj"):
+        q, s, z = (quantized[f"{name}.{part}"] for part in ("qweight", "scales", "zeros"))
+        assert torch.equal(dequantize(q, s, z, 32), floats[f"{name}.weight"])
+    size = lambda p: sum(f.stat().st_size for f in p.iterdir())  # noqa: E731
+    assert size(folder) < 0.4 * size(smollm2.path)
+    assert "int4" in repr(smollm2_int4) and smollm2_int4.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_every_method_equals_ar_greedy_on_quantized_smollm2(quant, smollm2_int4):
+    """Lossless on real weights in bf16: the quantized matmuls are row-invariant on this CPU, so
+    bf16 verification agrees with bf16 ``ar`` token for token."""
+    target = smollm2_int4 if quant == "int4" else graft_tk.load_model("smollm2-135m", dtype="bf16", quant=quant,
+                                                                        progress=False)
+    drafter = graft_tk.load_model("smollm2-135m", dtype="bf16", quant=quant, num_layers=10, progress=False)
+    ids = encode_prompt(target, "Write a Python function that returns the n-th Fibonacci number.", chat=True)
+    ref = graft_tk.decode(target, ids, max_new_tokens=24)
+    for method in SPECULATIVE:
+        got = graft_tk.decode(target, ids, drafter=drafter, method=method, max_new_tokens=24,
+                              config=GraftConfig(budget=12))
+        assert got.tokens == ref.tokens, method
+
+
+def test_corrupt_quant_file_is_detected(tmp_path, smollm2_int4):
+    from graft_tk.models.checkpoint import quant_of
+    (tmp_path / "quant.json").write_text("{not json")
+    with pytest.raises(CorruptFileError, match="quant.json"):
+        quant_of(tmp_path)
+    assert quant_of(smollm2_int4.path) == "int4"
+    assert registry.converted_dir("smollm2-135m-int4") == smollm2_int4.path
+
+
+def test_profiles_are_keyed_by_the_quantization(smollm2, smollm2_int4):
+    from calibration.profiles import profile_key
+    assert profile_key(smollm2_int4, None).dtype == "bfloat16-int4"
+    assert profile_key(smollm2_int4, None).file_name() != profile_key(smollm2, None).file_name()
+
+
+def test_unknown_quant_is_a_clear_error():
+    with pytest.raises(InputError, match="int8, int4"):
+        graft_tk.load_model("smollm2-135m", quant="q4")
