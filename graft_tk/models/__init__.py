@@ -88,6 +88,10 @@ def load_model(name_or_path: str | Path, *, dtype=None, device=None, num_layers:
     t0 = time.perf_counter()
     name, path = resolve(str(name_or_path), progress, quant)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    held = quant_of(path)
+    if held != "none" and quant not in ("none", held):
+        raise InputError(f"{path} holds {held} weights; load it with quant={held!r} (or its float source with {quant!r})")
+    quant = held if held != "none" else quant
     cfg = read_config(path, num_layers)
     tokenizer = Tokenizer(path)
     net = load_transformer(path, cfg, parse_dtype(dtype), device, quant)
