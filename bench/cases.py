@@ -156,12 +156,16 @@ CASES = [
          _tree_attention(1, 4096, torch.bfloat16), quick=False),
     Case("prompt_lookup", "prompt_lookup", "context 256, n-gram 3..1, L=10", _prompt_lookup(256)),
     Case("prompt_lookup", "prompt_lookup", "context 4096, n-gram 3..1, L=10", _prompt_lookup(4096), quick=False),
-    Case("quant_matmul", "quant_matmul", "int4 M=1 1536->8960 x2 bf16", _quant_matmul(1, 17920, 1536, "int4", torch.bfloat16)),
-    Case("quant_matmul", "quant_matmul", "int4 M=16 1536->8960 x2 bf16",
+    Case("quant_matmul", "quant_matmul", "int4 M=1 qkv 1536->2048 +bias bf16",
+         _quant_matmul(1, 2048, 1536, "int4", torch.bfloat16, bias=True)),
+    Case("quant_matmul", "quant_matmul", "int8 M=1 qkv 1536->2048 +bias bf16",
+         _quant_matmul(1, 2048, 1536, "int8", torch.bfloat16, bias=True)),
+    Case("quant_matmul", "quant_matmul", "int4 M=1 gate/up 1536->2x8960 bf16",
+         _quant_matmul(1, 17920, 1536, "int4", torch.bfloat16), quick=False),
+    Case("quant_matmul", "quant_matmul", "int4 M=16 gate/up 1536->2x8960 bf16",
          _quant_matmul(16, 17920, 1536, "int4", torch.bfloat16), quick=False),
-    Case("quant_matmul", "quant_matmul", "int8 M=1 8960->1536 bf16", _quant_matmul(1, 1536, 8960, "int8", torch.bfloat16)),
-    Case("quant_matmul", "quant_matmul", "int8 M=16 qkv 1536->2048 +bias bf16",
-         _quant_matmul(16, 2048, 1536, "int8", torch.bfloat16, bias=True), quick=False),
+    Case("quant_matmul", "quant_matmul", "int8 M=1 down 8960->1536 bf16",
+         _quant_matmul(1, 1536, 8960, "int8", torch.bfloat16), quick=False),
 ]
 
 

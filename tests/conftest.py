@@ -11,6 +11,11 @@ from graft_tk.prompts import load_prompts, spec_bench_path
 # CI sets this: data that a user's clone may lack must be there, so a test never skips silently.
 REQUIRE_DATA = os.environ.get("GRAFT_TK_REQUIRE_DATA") == "1"
 
+# Under pytest-xdist (-n auto, pyproject.toml) the workers share the cores instead of each
+# starting one torch thread per core.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():

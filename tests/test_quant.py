@@ -18,6 +18,7 @@ from graft_tk.reference.quant_matmul import dequantize, quant_matmul, unpack_int
 
 from .chi2 import chi2, chi2_critical
 from .test_engine import SPECULATIVE, _tiny, exact_joint, sample_joint
+from .tolerances import QUANT_MATMUL_TOL
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -60,8 +61,8 @@ def test_triton_kernel_matches_the_reference(mode, dtype, M, N, K):
     for b in (None, bias):
         got, want = kernel_quant_matmul(x, q, s, z, 32, b), quant_matmul(x, q, s, z, 32, b)
         assert got.dtype == dtype and got.shape == (M, N)
-        ulp = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
-        torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=ulp * want.abs().max().item())
+        rtol, atol = QUANT_MATMUL_TOL[dtype]
+        torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol * want.abs().max().item())
 
 
 def test_triton_kernel_rejects_a_weight_of_the_wrong_shape():
@@ -85,12 +86,12 @@ def test_cpu_packed_layer_matches_the_reference_and_is_row_invariant(mode, dtype
     y = layer(x)
     assert y.shape == (2, 16, N) and y.dtype == dtype
     want = quant_matmul(x.reshape(-1, K), q, s.to(dtype), None if z is None else z.to(dtype), 32, bias.to(dtype))
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(y.reshape(-1, N).float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+    rtol, atol = QUANT_MATMUL_TOL[dtype]
+    torch.testing.assert_close(y.reshape(-1, N).float(), want.float(), rtol=rtol, atol=atol * want.abs().max().item())
     for m in (1, 3, 7):
         assert torch.equal(layer(x[0, :m]), y[0, :m])
-    torch.testing.assert_close(layer.dequantized().float(), dequantize(q, s.to(dtype), z if z is None else z.to(dtype), 32),
-                               rtol=tol, atol=tol)
+    w = dequantize(q, s.to(dtype), z if z is None else z.to(dtype), 32)
+    torch.testing.assert_close(layer.dequantized().float(), w, rtol=rtol, atol=atol * w.abs().max().item())
 
 
 def test_quantize_model_replaces_every_linear_and_unties_the_head():

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from .._fs import exclusive, graft_home
 from ..errors import InputError, ModelNotFoundError
 from . import registry
 from .checkpoint import load_transformer, quant_of, read_config
@@ -140,10 +141,11 @@ def _converted(gguf_path: Path, dir_name: str, source_key: str, progress: bool, 
     from .gguf import convert_gguf  # imports the gguf package only when a conversion is needed
 
     out = registry.converted_dir(dir_name)
-    if registry.stamp_ok(out, source_key) and quant_of(out) == quant:
-        return out
-    if out.exists():
-        log.warning("%s is incomplete or stale; converting %s again", out, gguf_path)
-    convert_gguf(gguf_path, out, progress=progress, quant=quant)
-    registry.write_stamp(out, source_key)
+    with exclusive(graft_home() / "locks" / f"{dir_name}.lock"):   # two processes loading it first: one converts
+        if registry.stamp_ok(out, source_key) and quant_of(out) == quant:
+            return out
+        if out.exists():
+            log.warning("%s is incomplete or stale; converting %s again", out, gguf_path)
+        convert_gguf(gguf_path, out, progress=progress, quant=quant)
+        registry.write_stamp(out, source_key)
     return out
