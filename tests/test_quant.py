@@ -200,3 +200,24 @@ def test_profiles_are_keyed_by_the_quantization(smollm2, smollm2_int4):
 def test_unknown_quant_is_a_clear_error():
     with pytest.raises(InputError, match="int8, int4"):
         graft_tk.load_model("smollm2-135m", quant="q4")
+
+
+def test_int4_keeps_4bit_tensors_and_gives_finer_ones_int8():
+    """Qwen2.5-Coder-1.5B Q4_K_M's pattern: a Q6_K V projection makes its layer's QKV int8, a
+    Q6_K down projection and LM head are int8, everything else 4-bit stays int4."""
+    from types import SimpleNamespace
+
+    from graft_tk.models.gguf import _linear_formats
+    kinds = {"model.layers.0.self_attn.q_proj.weight": "Q4_K", "model.layers.0.self_attn.k_proj.weight": "Q4_K",
+             "model.layers.0.self_attn.v_proj.weight": "Q6_K", "model.layers.0.self_attn.o_proj.weight": "Q4_K",
+             "model.layers.0.mlp.gate_proj.weight": "Q4_K", "model.layers.0.mlp.up_proj.weight": "Q4_K",
+             "model.layers.0.mlp.down_proj.weight": "Q6_K", "model.embed_tokens.weight": "Q4_K",
+             "model.layers.0.input_layernorm.weight": "F32", "lm_head.weight": "Q6_K"}
+    plan = [(name, SimpleNamespace(tensor_type=SimpleNamespace(name=kind)), (), None) for name, kind in kinds.items()]
+    formats = _linear_formats(plan, "int4")
+    assert {n.split(".")[-2]: f for n, f in formats.items()} == {
+        "q_proj": "int8", "k_proj": "int8", "v_proj": "int8", "o_proj": "int4", "gate_proj": "int4",
+        "up_proj": "int4", "down_proj": "int8", "lm_head": "int8"}
+    assert set(_linear_formats(plan, "int8").values()) == {"int8"}
+    tied = [p for p in plan if p[0] != "lm_head.weight"]          # the head is made from the Q4_K embedding
+    assert _linear_formats(tied, "int4")["lm_head.weight"] == "int4"

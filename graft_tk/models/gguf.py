@@ -254,11 +254,17 @@ def _linear_formats(plan, quant: str) -> dict[str, str]:
         linear["lm_head.weight"] = next(t.tensor_type.name for name, t, _, _ in plan if name == "model.embed_tokens.weight")
     if quant == "int8":
         return dict.fromkeys(linear, "int8")
-    groups: dict[str, bool] = {}                        # fused group -> all parts 4-bit
-    key = lambda name: name.rsplit(".", 3)[0] + "." + _FUSED.get(name.split(".")[-2], name)  # noqa: E731
+    four_bit: dict[str, bool] = {}                      # matmul -> all its parts are 4-bit
     for name, kind in linear.items():
-        groups[key(name)] = groups.get(key(name), True) and kind in _FOUR_BIT
-    return {name: "int4" if groups[key(name)] else "int8" for name in linear}
+        four_bit[_matmul_of(name)] = four_bit.get(_matmul_of(name), True) and kind in _FOUR_BIT
+    return {name: "int4" if four_bit[_matmul_of(name)] else "int8" for name in linear}
+
+
+def _matmul_of(name: str) -> str:
+    """The matmul an HF linear weight ends up in: a layer's q/k/v share one (``...layers.3.qkv``),
+    its gate/up one, every other weight its own (its name)."""
+    parts = name.split(".")
+    return ".".join(parts[:-3] + [_FUSED[parts[-2]]]) if len(parts) > 3 and parts[-2] in _FUSED else name
 
 
 def _write_quantized(dest: Path, plan, path: Path, progress: bool, quant: str) -> dict[str, str]:
