@@ -39,7 +39,7 @@ from .config import GraftConfig
 from .decode import decode, encode_prompt
 from .engine import Engine
 from .errors import InputError
-from .models import Model, load_model
+from .models import QUANTS, Model, load_model
 from .models.eagle3 import Eagle3Head
 from .models.eagle3_checkpoint import load_eagle3
 from .models.registry import HF_ALIASES, HF_DRAFTERS, REGISTRY
@@ -82,6 +82,16 @@ def load_drafter(spec: str | None, target: Model, model: str, dtype=None, device
     if spec.startswith("eagle3:"):
         return load_eagle3(spec[len("eagle3:"):], target)
     return load_model(spec, dtype=dtype, device=device, quant=quant)
+
+
+def add_quant_args(p, drafter: bool = True) -> None:
+    """A CLI's ``--quant`` (and with ``drafter``, ``--drafter-quant``; read it with ``drafter_quant``)."""
+    p.add_argument("--quant", default="none", choices=QUANTS,
+                   help="weight-only quantization of the target's linear layers (default: %(default)s; with int8/int4 "
+                        "use --dtype bf16 on a CPU)")
+    if drafter:
+        p.add_argument("--drafter-quant", default=None, choices=QUANTS,
+                       help="the drafter's quantization (default: --quant's)")
 
 
 def drafter_quant(args) -> str:

@@ -24,7 +24,7 @@ from .. import config as config_mod
 from ..anchors import ANCHOR_NAMES, HFAnchors, parse_anchors, transformers_available
 from ..config import GraftConfig
 from ..errors import GraftError, InputError
-from ..models import QUANTS, load_model
+from ..models import load_model
 from ..prompts import load_prompts
 from ..sampling import check_sampling_args
 
@@ -50,11 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the first K prompts of each category (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default bf16; fp32 to judge exactness)")
-    p.add_argument("--quant", default="none", choices=QUANTS,
-                   help="weight-only quantization of the target's linear layers (default: %(default)s; with int8/int4 "
-                        "use --dtype bf16 on a CPU)")
-    p.add_argument("--drafter-quant", default=None, choices=QUANTS,
-                   help="the drafter's quantization (default: --quant's)")
+    bench.add_quant_args(p)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; exactness is checked)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus cut when sampling (default: %(default)s)")

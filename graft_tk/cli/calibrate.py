@@ -28,10 +28,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..bench import drafter_quant, drafter_spec, load_drafter
+from ..bench import add_quant_args, drafter_quant, drafter_spec, load_drafter
 from ..config import METHODS, USES_DRAFTER, GraftConfig
 from ..errors import CorruptFileError, GraftError, InputError
-from ..models import QUANTS, load_model
+from ..models import load_model
 from ..prompts import Prompt, load_prompts, spec_bench_path
 from ..sampling import check_sampling_args
 
@@ -66,11 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-dir", default=None, help="where profiles go (default: GRAFT_TK_PROFILE_DIR or "
                                                        "GRAFT_TK_HOME/profiles; decode reads the same place)")
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default bf16)")
-    p.add_argument("--quant", default="none", choices=QUANTS,
-                   help="weight-only quantization of the target's linear layers (default: %(default)s; with int8/int4 "
-                        "use --dtype bf16 on a CPU)")
-    p.add_argument("--drafter-quant", default=None, choices=QUANTS,
-                   help="the drafter's quantization (default: --quant's)")
+    add_quant_args(p)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0, help="TPE sampler seed (and the decodes' sampling seed)")
     p.add_argument("--temperature", type=float, default=0.0,

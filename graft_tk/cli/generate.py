@@ -10,11 +10,11 @@ import json
 import logging
 import sys
 
-from ..bench import default_drafter, drafter_quant, load_drafter
+from ..bench import add_quant_args, default_drafter, drafter_quant, load_drafter
 from ..config import METHODS, USES_DRAFTER, GraftConfig
 from ..decode import decode
 from ..errors import GraftError
-from ..models import QUANTS, load_model
+from ..models import load_model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,11 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default bf16)")
-    p.add_argument("--quant", default="none", choices=QUANTS,
-                   help="weight-only quantization of the target's linear layers (default: %(default)s; with int8/int4 "
-                        "use --dtype bf16 on a CPU)")
-    p.add_argument("--drafter-quant", default=None, choices=QUANTS,
-                   help="the drafter's quantization (default: --quant's)")
+    add_quant_args(p)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--compile", action="store_true",

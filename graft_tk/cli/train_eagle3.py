@@ -13,7 +13,8 @@ import sys
 import time
 
 from ..errors import GraftError
-from ..models import QUANTS, load_model
+from ..bench import add_quant_args
+from ..models import load_model
 from ..training.eagle3 import TrainConfig, train
 
 _DEFAULTS = TrainConfig()
@@ -51,9 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
     p.add_argument("--restart", action="store_true", help="overwrite a run already in --out")
     p.add_argument("--dtype", default=None, help="the target's dtype: fp32 | bf16 | fp16 (default bf16)")
-    p.add_argument("--quant", default="none", choices=QUANTS,
-                   help="weight-only quantization of the target's linear layers (default: %(default)s; with int8/int4 "
-                        "use --dtype bf16 on a CPU)")
+    add_quant_args(p, drafter=False)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return p

@@ -36,7 +36,6 @@ def unused(device, dtype):
     return _UNUSED[key]
 
 
-
 def multiprocessors(device) -> int:
     """SMs of a CUDA device (cached): how many programs a launch needs to fill it; 0 on a CPU or
     under the interpreter (launchers then keep their one-program-per-row forms)."""
