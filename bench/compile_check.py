@@ -325,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         for result in pool.map(_compile_pair, work, chunksize=1):
             results.append(result)
+            if not result.ok:  # at once, not only in the final list: a long run shows its failures as it goes
+                print(f"\nFAILED {result.kernel} sm_{result.arch} [{result.shape}] {result.config}: {result.error}",
+                      file=sys.stderr)
             print(f"\r  {len(results)}/{len(work)}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     print(summary_table(results))

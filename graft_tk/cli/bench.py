@@ -7,7 +7,8 @@ Methods run interleaved prompt by prompt after one untimed warm-up each; every r
 fresh engine (cold adjacency matrix), so no method inherits another's state. Reports medians of
 tokens/s and speedup over ``ar``, MAT, drafter forwards per step, accepted tokens by source, the
 time split, and whether each greedy output equals ``ar``'s. With transformers installed, HF
-greedy, HF assisted generation (same drafter) and HF prompt lookup run in the same loop.
+greedy, HF assisted generation (same drafter) and HF prompt lookup run in the same loop; with
+llama-cpp-python, llama.cpp's plain decoding and prompt lookup on the same GGUF file.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tqdm.auto import tqdm
 
 from .. import bench
 from .. import config as config_mod
-from ..anchors import ANCHOR_NAMES, HFAnchors, parse_anchors, transformers_available
+from ..anchors import ANCHOR_NAMES, make_anchors, parse_anchors
 from ..config import GraftConfig
 from ..errors import GraftError, InputError
 from ..models import load_model
@@ -64,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None, help="K: children per drafted node")
     p.add_argument("--max-depth", type=int, default=None, help="D: drafter expansions per step at most")
     p.add_argument("--anchors", nargs="?", const="all", default=None, metavar="LIST",
-                   help=f"run HF transformers anchors: all, or a comma list of {', '.join(ANCHOR_NAMES)} "
-                        "(default: all when transformers is installed)")
-    p.add_argument("--no-anchors", dest="anchors", action="store_const", const="none", help="skip the HF anchors")
+                   help=f"run anchors: all, or a comma list of {', '.join(ANCHOR_NAMES)} (default: those whose "
+                        "package, transformers or llama-cpp-python, is installed)")
+    p.add_argument("--no-anchors", dest="anchors", action="store_const", const="none", help="skip the anchors")
     p.add_argument("--json", default=None, metavar="OUT", help="write the full report (JSON) here")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write tokens/s-vs-MAT and speedup plots here")
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=bench.COMPILE_MODES,
@@ -118,11 +119,7 @@ def _mismatches(summary: dict) -> int:
 def _run(args) -> dict:
     """Validate cheap inputs first (methods, prompts, config) so a typo fails before a model loads."""
     methods = bench.parse_methods(args.methods)
-    if args.anchors is None:
-        args.anchors = "all" if transformers_available() else "none"
     anchors = parse_anchors(args.anchors)
-    if anchors and not transformers_available():
-        raise InputError("--anchors needs HF transformers: pip install transformers (or pass --no-anchors)")
     if args.n_per_category is not None and args.n_per_category < 1:
         raise InputError(f"--n-per-category must be >= 1, got {args.n_per_category}")
     prompts = load_prompts(args.prompts, args.n_per_category)
@@ -154,7 +151,7 @@ def _run(args) -> dict:
                                  progress=lambda msg: print("  " + msg, file=sys.stderr))
         config = dataclasses.replace(config, cost=cost)
     plan = bench.Plan(target, drafter, config, methods, prompts, args.max_new_tokens, args.temperature,
-                      args.seed, args.repeats, HFAnchors(target, drafter, anchors) if anchors else None,
+                      args.seed, args.repeats, make_anchors(target, drafter, anchors, bench.gguf_source(args.model)),
                       top_p=args.top_p, compile=args.compile, adaptive=args.adaptive, configs=named_configs)
 
     total = len(prompts) * len(plan.run_names) * args.repeats
