@@ -68,7 +68,8 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
     temperature: 0 = greedy; > 0 samples from softmax(logits / temperature) cut to ``top_p``.
     seed: makes sampling reproducible.
     chat: apply the model's chat template to a string prompt.
-    on_tokens: called with each batch of newly committed token ids (streaming).
+    on_tokens: called with each batch of newly committed token ids (streaming); when it returns
+        True, decoding stops after that batch (a stop string, a client that went away).
     backend: "auto" (Triton kernels on CUDA, torch elsewhere), "triton" or "torch"; without CUDA
         "triton" runs the kernels in Triton's interpreter (exact, slow: for tests).
     compile: run the step forwards (not the prefill) of the target and a drafter model compiled
@@ -88,7 +89,7 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
         drafter, config, compile = engine.drafter, engine.config, engine.compile
     backend = resolve_backend(backend, target.device)
     check_drafter(target, drafter)
-    config, config_source = _resolve_config(target, drafter, method, config, engine)
+    config, config_source = resolve_config(target, drafter, method, config, engine)
     if method in USES_DRAFTER and drafter is None:
         raise InputError(f"method {method!r} needs a drafter: pass drafter=load_model(...) (a small model with the "
                          "same tokenizer, or the target's first layers via num_layers=L) or an EAGLE-3 head "
@@ -146,7 +147,7 @@ def check_drafter(target: Model, drafter) -> None:
                          f"{target.config.vocab_size}; the drafter must share the target's tokenizer")
 
 
-def _resolve_config(target: Model, drafter: Model | Eagle3Head | None, method: str, config: GraftConfig | None,
+def resolve_config(target: Model, drafter: Model | Eagle3Head | None, method: str, config: GraftConfig | None,
                     engine: Engine | None) -> tuple[GraftConfig | None, str]:
     """(config, where it came from): the engine's, the caller's, a calibration profile, or the default."""
     if method == "ar":
@@ -183,9 +184,8 @@ def _decode_ar(model: Model, ids: list[int], max_new_tokens: int, temperature: f
             tok = next_token(logits[:, -1], temperature, top_p, generator)  # [1]
             t = HOST_READS.read(tok[0])  # one host read per token: the stop test and streaming need it
             out.append(t)
-            if on_tokens is not None:
-                on_tokens([t])
-            if t in eos or len(out) == max_new_tokens:
+            stop = on_tokens is not None and on_tokens([t])
+            if stop or t in eos or len(out) == max_new_tokens:
                 break
             logits = step(tok[:, None], torch.tensor([pos], device=device), pos, attention=attention)
             pos += 1

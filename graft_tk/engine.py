@@ -132,9 +132,9 @@ class Engine:
         length = n + 1
         target_len = n   # tokens whose KV is in the target cache; the root is the last committed
         stats.prefill_seconds = time.perf_counter() - t0
-        if on_tokens:
-            on_tokens([first])
         done = first in eos or max_new_tokens <= 1
+        if on_tokens and on_tokens([first]):
+            done = True
         # The score -> acceptance map the depth threshold reads (refreshed by each step's host read).
         draft_rates = HOST_READS.read(estimates.draft_rates()) if policy is not None else None
 
@@ -222,8 +222,8 @@ class Engine:
                                         for i, (s, d, sc) in enumerate(zip(source, depth, scores)) if i > 0 and s >= 0]
             length += len(new)
             out += new
-            if on_tokens:
-                on_tokens(new)
+            if on_tokens and on_tokens(new):
+                done = True
             # 9. Commit: compact the target KV of the accepted path; bring the drafter up to date
             # (a small model keeps the KV of accepted drafted nodes; an EAGLE-3 head keeps the path's
             # target features).

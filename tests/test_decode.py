@@ -56,6 +56,19 @@ def test_streaming_callback_sees_every_token(smollm2):
     assert seen == r.tokens
 
 
+@pytest.mark.parametrize("method", ["ar", "graft"])
+def test_a_callback_that_returns_true_stops_decoding_after_that_batch(smollm2, method):
+    full = graft_tk.decode(smollm2, "Name three colours.", method=method, drafter=smollm2, max_new_tokens=12)
+    seen = []
+
+    def stop_after_four(new):
+        seen.extend(new)
+        return len(seen) >= 4
+    r = graft_tk.decode(smollm2, "Name three colours.", method=method, drafter=smollm2, max_new_tokens=12,
+                        on_tokens=stop_after_four)
+    assert r.tokens == seen and 4 <= len(r.tokens) < 12 and r.tokens == full.tokens[:len(r.tokens)]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompt=""), "prompt is empty"),
     (dict(prompt="   \n"), "prompt is empty"),
