@@ -1,0 +1,109 @@
+"""graft-serve: an OpenAI-compatible server (completions, chat, streaming) over speculative decoding.
+
+    graft-serve --model qwen2.5-coder-1.5b --port 8000
+    curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "qwen2.5-coder-1.5b", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0}'
+
+Requests decode one at a time, first come first served, with one engine whose adjacency matrix
+(retrieval's source) stays warm across requests; up to --max-queue wait, more get 429. Each
+finished request logs one line. SIGTERM (or Ctrl-C) stops accepting, lets requests in flight
+finish for --grace seconds, then cancels the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+
+from ..bench import add_quant_args, default_drafter, drafter_quant, load_drafter
+from ..config import METHODS, USES_DRAFTER
+from ..decode import check_drafter, resolve_config
+from ..errors import GraftError, InputError
+from ..models import load_model
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="graft-serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-1.5b",
+                   help="target: built-in name, checkpoint folder, .gguf file or cached HF repo id "
+                        "(default: %(default)s)")
+    p.add_argument("--drafter", default=None,
+                   help="a model name or path, self:L (the target's first L layers) or none "
+                        "(default: the registry's pair for --model)")
+    p.add_argument("--eagle3", default=None, metavar="PATH", help="draft with this EAGLE-3 head folder")
+    p.add_argument("--method", default=None, choices=METHODS,
+                   help="default: graft when a drafter is known for --model, else retrieval+pld")
+    p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default bf16)")
+    add_quant_args(p)
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as 'model' (default: --model as given)")
+    p.add_argument("--host", default="127.0.0.1", help="default: %(default)s (loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 429 (default: %(default)s)")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds requests in flight may finish after SIGTERM (default: %(default)s)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("graft_tk.server").setLevel(logging.INFO)     # one line per request
+    try:
+        import uvicorn
+
+        from ..server.app import create_app
+        from ..server.metrics import Metrics
+        from ..server.scheduler import Scheduler
+    except ImportError as e:
+        print(f"graft-serve: error: {e.name} is missing: pip install 'graft-tk[serve]'", file=sys.stderr)
+        return 2
+    try:
+        if args.max_queue < 1:
+            raise InputError(f"--max-queue must be >= 1, got {args.max_queue}")
+        if not 0 <= args.port < 65536:
+            raise InputError(f"--port must be in [0, 65535], got {args.port}")
+        spec = f"eagle3:{args.eagle3}" if args.eagle3 else (args.drafter or default_drafter(args.model))
+        method = args.method or ("graft" if spec not in (None, "none") else "retrieval+pld")
+        target = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
+        drafter = (load_drafter(spec, target, args.model, dtype=args.dtype, device=args.device,
+                                quant=drafter_quant(args)) if method in USES_DRAFTER else None)
+        if method in USES_DRAFTER and drafter is None:
+            raise InputError(f"--method {method} needs a drafter: pass --drafter NAME or self:L")
+        check_drafter(target, drafter)
+        config, source = resolve_config(target, drafter, method, None, None)
+    except GraftError as e:
+        print(f"graft-serve: error: {e}", file=sys.stderr)
+        return 2
+    scheduler = Scheduler(target, drafter, method, config, args.max_queue, Metrics())
+    name = args.served_model_name or args.model
+    app = create_app(scheduler, name)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.grace))
+    try:
+        sock = socket.create_server((args.host, args.port))     # bound here: --port 0 tells its port below
+    except OSError as e:
+        print(f"graft-serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    host, port = sock.getsockname()[:2]
+    logging.getLogger("graft_tk.server").info(
+        "serving %s (%s, %s weights, config: %s) at http://%s:%d/v1", name, method, target.quant, source, host, port)
+    # uvicorn handles SIGTERM / SIGINT while it runs and raises them again after its shutdown; these
+    # handlers take that second delivery, so the process ends with the cleanup below and status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
+    scheduler.start()
+    try:
+        server.run(sockets=[sock])   # returns after SIGTERM / Ctrl-C, once open requests end or --grace passed
+    finally:
+        scheduler.shutdown(grace=0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

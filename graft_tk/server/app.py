@@ -1,0 +1,194 @@
+"""graft-serve's HTTP side: OpenAI-compatible routes on Starlette (run by uvicorn).
+
+    POST /v1/completions        text (or token ids) in, text out; ``stream`` as server-sent events
+    POST /v1/chat/completions   messages in (the model's chat template applied), a message out
+    GET  /v1/models             the one model served
+    GET  /health                200 while the decode thread is alive
+    GET  /metrics               Prometheus text format (graft_tk.server.metrics)
+
+Every error is an OpenAI error body with its status; a handler never takes the server down.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..models import Model
+from .protocol import APIError, Request, parse_request
+from .scheduler import Job, Scheduler
+
+log = logging.getLogger("graft_tk.server")
+DISCONNECT_POLL_S = 0.25    # how often a waiting non-streaming handler checks that its client is still there
+
+
+def create_app(scheduler: Scheduler, served_name: str) -> Starlette:
+    target = scheduler.target
+    metrics = scheduler.metrics
+
+    def error(e: APIError) -> JSONResponse:
+        metrics.reject(e.status)
+        log.info("rejected %d %s: %s", e.status, e.code or e.type, e.message)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def completions(request: HTTPRequest) -> Response:
+        return await _generate(request, "completion")
+
+    async def chat_completions(request: HTTPRequest) -> Response:
+        return await _generate(request, "chat")
+
+    async def _generate(http: HTTPRequest, kind: str) -> Response:
+        try:
+            try:
+                body = json.loads(await http.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise APIError(400, f"the request body is not valid JSON: {e}") from None
+            req = parse_request(body, kind)
+            if req.model != served_name:
+                raise APIError(404, f"the model '{req.model}' does not exist here; this server serves "
+                                    f"'{served_name}' (GET /v1/models)", param="model", code="model_not_found")
+            ids = _prompt_ids(target, req)
+            job = Job(req, ids, target, asyncio.get_running_loop())
+            scheduler.submit(job)
+        except APIError as e:
+            return error(e)
+        if req.stream:
+            return StreamingResponse(_events(job, served_name), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        while not job.done:
+            try:
+                await asyncio.wait_for(job.wait(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    job.cancel()            # frees the decode thread after its current step
+                    return Response(status_code=499)
+        _log(job)
+        if job.error is not None:
+            return error(APIError(500, f"decoding failed: {type(job.error).__name__}: {job.error}",
+                                  type="server_error"))
+        return JSONResponse(_final(job, served_name))
+
+    async def models(request: HTTPRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": served_name, "object": "model", "created": int(START), "owned_by": "graft_tk"}]})
+
+    async def health(request: HTTPRequest) -> Response:
+        alive = scheduler.alive
+        return JSONResponse({"status": "ok" if alive else "decode thread stopped"}, status_code=200 if alive else 503)
+
+    async def prometheus(request: HTTPRequest) -> Response:
+        return PlainTextResponse(metrics.render(scheduler.queued, int(scheduler.current is not None)),
+                                 media_type="text/plain; version=0.0.4")
+
+    async def http_error(request: HTTPRequest, exc: HTTPException) -> Response:
+        return error(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                              code="not_found" if exc.status_code == 404 else None))
+
+    return Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ], exception_handlers={HTTPException: http_error})
+
+
+START = time.time()
+
+
+def _prompt_ids(target: Model, req: Request) -> list[int]:
+    tok, context = target.tokenizer, target.config.max_position_embeddings
+    if req.kind == "chat":
+        if tok.chat_template is None:
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        ids = tok.encode(tok.apply_chat_template(list(req.prompt), add_generation_prompt=True),
+                         add_special_tokens=False)
+    elif isinstance(req.prompt, str):
+        ids = tok.encode(req.prompt, add_special_tokens=True)
+    else:
+        ids = list(req.prompt)
+        bad = [t for t in ids if not 0 <= t < target.config.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {target.config.vocab_size}); got e.g. {bad[:3]}",
+                           param="prompt")
+    if len(ids) + req.max_tokens > context:
+        raise APIError(400, f"this model's maximum context length is {context} tokens; the prompt has {len(ids)} "
+                            f"and max_tokens asks for {req.max_tokens} more: shorten the prompt or lower max_tokens",
+                       param="max_tokens", code="context_length_exceeded")
+    return ids
+
+
+def _usage(job: Job) -> dict:
+    return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(job.tokens),
+            "total_tokens": len(job.prompt_ids) + len(job.tokens)}
+
+
+def _choice(job: Job, text: str, finish_reason: str | None, stream: bool) -> dict:
+    if job.request.kind == "completion":
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    key = "delta" if stream else "message"
+    message = {"role": "assistant", "content": text}
+    return {"index": 0, key: message, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _envelope(job: Job, served_name: str, stream: bool) -> dict:
+    kind = job.request.kind
+    obj = ("chat.completion" if kind == "chat" else "text_completion") + (".chunk" if stream and kind == "chat" else "")
+    return {"id": job.id, "object": obj, "created": int(job.created), "model": served_name}
+
+
+def _final(job: Job, served_name: str) -> dict:
+    return {**_envelope(job, served_name, False), "choices": [_choice(job, job.text, job.finish_reason, False)],
+            "usage": _usage(job), "graft": _graft_stats(job)}
+
+
+def _graft_stats(job: Job) -> dict:
+    """What speculation did for this request (an extension field; OpenAI clients ignore it)."""
+    s = job.stats
+    keys = ("method", "steps", "mat", "tokens_per_s", "accepted_by_source", "prefill_seconds", "seconds")
+    return {k: s[k] for k in keys if k in s}
+
+
+async def _events(job: Job, served_name: str):
+    """Server-sent events: one chunk per batch of new text, a last chunk with the finish reason
+    (and usage), then [DONE]. A client that goes away cancels the job."""
+    sent = 0
+    try:
+        while True:
+            await job.wait()
+            done, text = job.done, job.text      # done first: the final text is set before it
+            if job.error is not None:
+                yield _sse({"error": APIError(500, f"decoding failed: {job.error}", type="server_error").body()["error"]})
+                break
+            if len(text) > sent:
+                yield _sse({**_envelope(job, served_name, True), "choices": [_choice(job, text[sent:], None, True)]})
+                sent = len(text)
+            if done:
+                yield _sse({**_envelope(job, served_name, True), "choices": [_choice(job, "", job.finish_reason, True)],
+                            "usage": _usage(job)})
+                yield "data: [DONE]\n\n"
+                break
+        _log(job)
+    finally:
+        if not job.done:
+            job.cancel()
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _log(job: Job) -> None:
+    s = job.stats
+    seconds = (job.finished or time.time()) - job.created
+    log.info("%s %s %s prompt=%d completion=%d finish=%s %.2fs queue=%.2fs %.1f tok/s mat=%.2f",
+             job.id, job.request.kind, "stream" if job.request.stream else "block", len(job.prompt_ids),
+             len(job.tokens), job.finish_reason, seconds, (job.started or job.created) - job.created,
+             s.get("tokens_per_s", 0.0), s.get("mat", 0.0))

@@ -1,0 +1,179 @@
+"""The decode side of graft-serve: a bounded queue of jobs and one thread that decodes them.
+
+The HTTP handlers (asyncio) submit a ``Job`` and wait on it; the decode thread runs
+``graft_tk.decode`` for one job at a time with one long-lived ``Engine``, so the adjacency matrix
+that retrieval reads stays warm across requests. Tokens reach the job as they commit
+(``on_tokens``); the job turns them into text, cuts it at a stop string, holds back what may be the
+start of one (or half a UTF-8 character), and wakes its handler. A job whose client went away is
+cancelled: its ``on_tokens`` answers True and decoding stops after the current step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+
+from ..decode import decode
+from ..engine import Engine
+from ..models import Model
+from .metrics import Metrics
+from .protocol import APIError, Request
+
+log = logging.getLogger("graft_tk.server")
+
+
+class Job:
+    """One request in flight. Written by the decode thread, read by its handler's event loop."""
+
+    def __init__(self, request: Request, prompt_ids: list[int], target: Model, loop: asyncio.AbstractEventLoop):
+        self.id = ("chatcmpl-" if request.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.request, self.prompt_ids, self._tokenizer = request, prompt_ids, target.tokenizer
+        self._eos = set(target.eos_token_ids)
+        self.tokens: list[int] = []
+        self.text = ""                     # the answer so far, safe to send
+        self.finish_reason: str | None = None   # "stop" | "length" | "cancelled" | "error"
+        self.error: BaseException | None = None
+        self.stats: dict = {}
+        self.created, self.started, self.finished = time.time(), None, None
+        self.cancelled = threading.Event()
+        self._loop, self._changed = loop, asyncio.Event()
+
+    # --- decode thread
+    def on_tokens(self, new: list[int]) -> bool:
+        """Take committed tokens; True stops decoding (a stop string, or the client went away)."""
+        if self.cancelled.is_set():
+            return True
+        self.tokens += new
+        text, stopped = self._cut(self._tokenizer.decode(self.tokens))
+        if stopped:
+            self.text, self.finish_reason = text, "stop"
+        else:
+            self.text = text[:len(text) - self._held(text)]
+        self._notify()
+        return stopped
+
+    def _cut(self, text: str) -> tuple[str, bool]:
+        hits = [i for i in (text.find(s) for s in self.request.stop) if i >= 0]
+        return (text[:min(hits)], True) if hits else (text, False)
+
+    def _held(self, text: str) -> int:
+        """Characters at the end that must wait: half a UTF-8 character (decoded as U+FFFD) or a
+        proper prefix of a stop string that the next tokens may complete."""
+        n = len(text) - len(text.rstrip("\ufffd"))
+        for s in self.request.stop:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    n = max(n, k)
+                    break
+        return n
+
+    def finish(self, stats: dict) -> None:
+        self.stats = stats
+        if self.finish_reason is None:
+            if self.cancelled.is_set():
+                self.finish_reason = "cancelled"
+            else:
+                self.text, stopped = self._cut(self._tokenizer.decode(self.tokens))
+                hit_eos = bool(self.tokens) and self.tokens[-1] in self._eos
+                self.finish_reason = "stop" if stopped or hit_eos else "length"
+        self._done()
+
+    def fail(self, error: BaseException) -> None:
+        self.error, self.finish_reason = error, "error"
+        self._done()
+
+    def _done(self) -> None:
+        self.finished = time.time()
+        self._notify()
+
+    def _notify(self) -> None:
+        self._loop.call_soon_threadsafe(self._changed.set)
+
+    # --- event loop
+    @property
+    def done(self) -> bool:
+        return self.finished is not None
+
+    async def wait(self) -> None:
+        """Until the job changes (new text, or done)."""
+        await self._changed.wait()
+        self._changed.clear()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class Scheduler:
+    """Jobs in a bounded FIFO queue, decoded one at a time by a single thread with one Engine."""
+
+    def __init__(self, target: Model, drafter, method: str, config, max_queue: int, metrics: Metrics):
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.target, self.drafter, self.method, self.metrics = target, drafter, method, metrics
+        self.engine = None if method == "ar" else Engine(target, drafter, config)
+        self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
+        self._thread = threading.Thread(target=self._serve, name="graft-decode", daemon=True)
+        self._accepting = True
+        self.current: Job | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        if not self._accepting:
+            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise APIError(429, f"the queue is full ({self._queue.maxsize} requests waiting); retry later",
+                           type="rate_limit_error", code="queue_full") from None
+
+    def _serve(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if job.cancelled.is_set():
+                job.finish({})
+                continue
+            self.current, job.started = job, time.time()
+            r = job.request
+            try:
+                result = decode(self.target, job.prompt_ids, drafter=self.drafter, method=self.method,
+                                engine=self.engine, max_new_tokens=r.max_tokens, temperature=r.temperature,
+                                top_p=r.top_p, seed=r.seed, on_tokens=job.on_tokens)
+                job.finish(result.stats)
+            except Exception as e:  # noqa: BLE001 - one failed request never stops the server
+                log.exception("request %s failed", job.id)
+                job.fail(e)
+            finally:
+                self.current = None
+            self.metrics.observe(job)
+
+    def shutdown(self, grace: float) -> None:
+        """Stop accepting; let queued and running jobs finish for ``grace`` seconds, then cancel the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + grace
+        while (self._queue.qsize() or self.current is not None) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+                job.finish({})
+                self.metrics.observe(job)
+        if self.current is not None:
+            self.current.cancel()
+        self._queue.put(None)
+        self._thread.join(timeout=60)

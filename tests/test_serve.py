@@ -1,0 +1,254 @@
+"""graft-serve on SmolLM2 (fp32, graft with the first 10 layers as drafter): the official openai
+client, raw HTTP for bad input, streaming, stop strings, a client that goes away, a full queue, a
+bounded load test, and SIGTERM on the real CLI."""
+import concurrent.futures
+import contextlib
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import graft_tk
+from graft_tk.config import GraftConfig
+from graft_tk.server.app import create_app
+from graft_tk.server.metrics import Metrics
+from graft_tk.server.protocol import APIError, Request, parse_request
+from graft_tk.server.scheduler import Job, Scheduler
+
+NAME = "smollm2-135m"
+PROMPTS = ["Name three colours.", "Write a haiku about the sea.", "What is 2 + 2?", "Say hello in French."]
+
+
+@contextlib.contextmanager
+def serving(target, drafter, method="graft", max_queue=64):
+    scheduler = Scheduler(target, drafter, method, GraftConfig(), max_queue, Metrics())
+    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, NAME), log_level="warning"))
+    sock = socket.create_server(("127.0.0.1", 0))
+    scheduler.start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", scheduler
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        scheduler.shutdown(grace=0)
+
+
+@pytest.fixture(scope="module")
+def drafter(smollm2):
+    return graft_tk.load_model(NAME, dtype="fp32", num_layers=10, progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, drafter):
+    with serving(smollm2, drafter) as (url, scheduler):
+        yield url, scheduler
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def expected(model, prompt, n, chat=True):
+    return graft_tk.decode(model, prompt, max_new_tokens=n, chat=chat)      # plain greedy decoding
+
+
+def metric(url, name):
+    text = httpx.get(url + "/metrics").text
+    return sum(float(v) for v in re.findall(rf"^graft_{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+
+def test_chat_and_completion_through_the_openai_client_equal_plain_greedy(smollm2, client):
+    want = expected(smollm2, PROMPTS[0], 16)
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                       temperature=0, max_tokens=16)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == len(want.tokens) and r.choices[0].finish_reason in ("stop", "length")
+    assert r.model == NAME and r.id.startswith("chatcmpl-")
+
+    want = expected(smollm2, "def add(a, b):", 12, chat=False)
+    r = client.completions.create(model=NAME, prompt="def add(a, b):", temperature=0, max_tokens=12)
+    assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.tokens)
+    assert r.choices[0].finish_reason == ("stop" if want.tokens[-1] in smollm2.eos_token_ids else "length")
+
+
+def test_streaming_sends_the_same_text_in_pieces(smollm2, client):
+    want = expected(smollm2, PROMPTS[1], 24)
+    chunks = list(client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPTS[1]}],
+                                                 temperature=0, max_tokens=24, stream=True))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == want.text and len(pieces) > 1
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+    pieces = [c.choices[0].text for c in client.completions.create(model=NAME, prompt="Once upon a time",
+                                                                   temperature=0, max_tokens=10, stream=True)]
+    assert "".join(pieces) == expected(smollm2, "Once upon a time", 10, chat=False).text
+
+
+def test_a_stop_string_ends_the_answer_before_it(smollm2, client):
+    full = expected(smollm2, PROMPTS[0], 24).text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), full
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                       temperature=0, max_tokens=24, stop=[stop])
+    assert r.choices[0].message.content == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": PROMPTS[0]}], temperature=0, max_tokens=24, stop=stop,
+        stream=True) if c.choices)
+    assert streamed == full[:full.index(stop)]           # nothing of the stop string leaked out early
+
+
+def test_models_health_and_metrics(server, client):
+    url, _ = server
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    client.completions.create(model=NAME, prompt="Hi", temperature=0, max_tokens=3)
+    text = httpx.get(url + "/metrics").text
+    for name in ("requests_total", "completion_tokens_total", "tokens_per_second", "mean_accepted_tokens",
+                 "accepted_tokens_total", "queue_depth", "phase_seconds_total", "request_latency_seconds_bucket"):
+        assert f"graft_{name}" in text, name
+    assert metric(url, "completion_tokens_total") >= 3 and metric(url, "mean_accepted_tokens") >= 1
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 10 ** 6}, 400, "max_tokens"),
+    ("/v1/completions", {"model": NAME, "prompt": "  "}, 400, "prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": NAME, "prompt": [1, 10 ** 9]}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user"}]}, 400, "messages[0]"),
+    ("/v1/chat/completions", {"model": "gpt-5", "messages": [{"role": "user", "content": "Hi"}]}, 404, "model"),
+    ("/v1/nothing", {}, 404, None),
+])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, client, path, body, status, param):
+    url, _ = server
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(url + path, content=data, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["param"] == param
+    assert client.completions.create(model=NAME, prompt="Hi", temperature=0, max_tokens=2).usage.completion_tokens
+
+
+def test_a_client_that_goes_away_mid_stream_frees_the_decoder(server, client):
+    url, scheduler = server
+    cancelled = metric(url, 'requests_total{kind="completion",finish_reason="cancelled"}')
+    body = {"model": NAME, "prompt": "Count from one to one thousand in words:", "max_tokens": 400,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())                                  # the first chunk arrived: decoding has started
+    deadline = time.monotonic() + 60
+    while metric(url, 'requests_total{kind="completion",finish_reason="cancelled"}') == cancelled:
+        assert time.monotonic() < deadline, "the abandoned request kept decoding"
+        time.sleep(0.1)
+    assert scheduler.current is None or scheduler.current.request.max_tokens != 400
+    assert client.completions.create(model=NAME, prompt="Hi", temperature=0, max_tokens=2).usage.completion_tokens
+
+
+def test_a_full_queue_answers_429(smollm2, drafter):
+    with serving(smollm2, drafter, max_queue=1) as (url, scheduler):
+        gate = threading.Event()
+        blocker = Job(parse_request({"model": NAME, "prompt": "Hi", "max_tokens": 200, "temperature": 0},
+                                    "completion"), [1, 2, 3], smollm2, asyncio_loop_stub())
+        def hold(new):                                             # holds the decode thread, then stops
+            gate.wait(60)
+            return True
+        blocker.on_tokens = hold
+        scheduler.submit(blocker)
+        while scheduler.current is not blocker:
+            time.sleep(0.01)
+        waiting = Job(blocker.request, [1, 2, 3], smollm2, asyncio_loop_stub())
+        scheduler.submit(waiting)                                  # the queue's one place
+        r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "Hi"})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert metric(url, 'requests_rejected_total{status="429"}') == 1
+        blocker.cancel(), waiting.cancel(), gate.set()
+
+
+def asyncio_loop_stub():
+    """A loop for a Job made outside any handler: notifications go nowhere."""
+    class Loop:
+        def call_soon_threadsafe(self, fn, *args):
+            pass
+    return Loop()
+
+
+def test_forty_requests_eight_at_a_time_all_complete_unmixed(smollm2, client):
+    want = {p: expected(smollm2, p, 8).text for p in PROMPTS}
+
+    def ask(i):
+        p = PROMPTS[i % len(PROMPTS)]
+        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": p}],
+                                           temperature=0, max_tokens=8)
+        return p, r
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, range(40), timeout=600))
+    assert len(results) == 40
+    for p, r in results:
+        assert r.choices[0].message.content == want[p]
+        assert r.usage.completion_tokens == 8 or r.choices[0].finish_reason == "stop"
+
+
+def test_parse_request_reads_what_openai_clients_send():
+    r = parse_request({"model": "m", "prompt": ["one text"], "stop": "\n", "max_tokens": 5, "temperature": 0,
+                       "user": "ignored", "stream_options": {"include_usage": True}}, "completion")
+    assert r == Request(kind="completion", model="m", prompt="one text", max_tokens=5, temperature=0.0, top_p=1.0,
+                        seed=None, stop=("\n",), stream=False)
+    r = parse_request({"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 7},
+                      "chat")
+    assert r.max_tokens == 7 and r.temperature == 1.0 and r.prompt == ({"role": "user", "content": "Hi"},)
+    for body, param in [({"model": "m", "prompt": ["a", "b"]}, "prompt"), ({"model": "m", "prompt": "a", "stop": [1]},
+                        "stop"), ({"model": "m", "prompt": "a", "logprobs": 3}, "logprobs"),
+                        ({"prompt": "a"}, "model"), ({"model": "m", "prompt": "a", "top_p": 0}, "top_p"),
+                        ({"model": "m", "prompt": "a", "stream": "yes"}, "stream")]:
+        with pytest.raises(APIError) as e:
+            parse_request(body, "completion")
+        assert e.value.status == 400 and e.value.param == param
+
+
+def test_sigterm_lets_the_request_in_flight_finish_and_exits(smollm2):
+    proc = subprocess.Popen([sys.executable, "-m", "graft_tk.cli.serve", "--model", NAME, "--drafter", "self:10",
+                             "--dtype", "fp32", "--port", "0", "--grace", "60"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        for line in proc.stderr:
+            if m := re.search(r"at http://127\.0\.0\.1:(\d+)/v1", line):
+                port = int(m.group(1))
+                break
+        assert port, "graft-serve did not say where it listens"
+        url = f"http://127.0.0.1:{port}"
+        body = {"model": NAME, "prompt": "Count to twenty:", "max_tokens": 24, "temperature": 0, "stream": True}
+        lines = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if not lines:
+                    proc.send_signal(signal.SIGTERM)          # mid-request
+                lines.append(line)
+        assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+        last = json.loads([ln for ln in lines if ln.startswith("data: {")][-1][6:])
+        assert last["choices"][0]["finish_reason"] in ("stop", "length")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
