@@ -128,6 +128,8 @@ class Anchors(_AnchorSet):
 def _timed(name: str, tokens: list[int], seconds: float) -> tuple[list[int], dict]:
     return tokens, {"method": name, "tokens": len(tokens), "seconds": seconds,
                     "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0}
+
+
 @contextlib.contextmanager
 def _quiet_transformers():
     """Hide transformers' info, warnings and progress bars for the block (a self-drafter's
