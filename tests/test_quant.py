@@ -94,6 +94,23 @@ def test_cpu_packed_layer_matches_the_reference_and_is_row_invariant(mode, dtype
     torch.testing.assert_close(layer.dequantized().float(), w, rtol=rtol, atol=atol * w.abs().max().item())
 
 
+def test_an_int8_weight_that_starts_off_a_cache_line_is_realigned():
+    """torch's int8 CPU kernel crashed (SIGSEGV) on the 0.5B drafter's weights, which safetensors
+    had left 8-byte aligned, once 4 or more rows were multiplied: the layer keeps aligned copies."""
+    torch.manual_seed(2)
+    N, K = 896, 896
+    q, s, _ = _weights("int8", N, K, torch.float32)
+    slab = torch.empty(N * K + 8, dtype=torch.int8)
+    off = slab[8:].view(N, K)                   # a view starting 8 bytes into a 64-byte-aligned slab
+    off.copy_(q)
+    assert off.data_ptr() % 64 == 8
+    layer = QuantLinear(off, s, None, None, torch.bfloat16)
+    assert layer.qweight.data_ptr() % 64 == 0 and layer.scales.data_ptr() % 64 == 0
+    x = torch.randn(1, 4, K).to(torch.bfloat16)
+    want = quant_matmul(x.reshape(-1, K), q, s.to(torch.bfloat16), None, 32, None)
+    torch.testing.assert_close(layer(x).reshape(-1, N).float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
 def test_quantize_model_replaces_every_linear_and_unties_the_head():
     """...and the quantized model computes what the float model computes with its weights dequantized."""
     model = _tiny(3, 2, vocab=11)

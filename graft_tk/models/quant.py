@@ -60,6 +60,14 @@ def quantize_int4(w: Tensor, group: int = GROUP) -> tuple[Tensor, Tensor, Tensor
     return packed, scales, lo + 8 * scales
 
 
+def _aligned(t: Tensor) -> Tensor:
+    """``t`` contiguous and starting on a 64-byte boundary: torch's int8 CPU kernel crashes from 4
+    rows of activations up on a weight that does not (seen with safetensors-loaded tensors, which
+    are only 8-byte aligned)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 64 == 0 else t.clone()
+
+
 class QuantLinear(nn.Module):
     """``y = x W^T + b`` with W int8 or int4 (formats in ``graft_tk.reference.quant_matmul``).
 
@@ -79,8 +87,8 @@ class QuantLinear(nn.Module):
         self.cpu = qweight.device.type == "cpu" and (self.mode == "int8" or self.out_features % 16 == 0)
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         if self.mode == "int8":
-            self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
-            self.register_buffer("scales", scales.to(dtype))
+            self.register_buffer("qweight", _aligned(qweight.to(torch.int8)))
+            self.register_buffer("scales", _aligned(scales.to(dtype)))
             self.register_buffer("zeros", None)
         elif self.cpu:  # torch's CPU int4 kernel: its own packing, scales and zeros as [K / group, N, 2]
             q = reference.unpack_int4(qweight).to(torch.int32)
