@@ -35,9 +35,9 @@ LLAMA_CPP_ANCHORS = ("llama_cpp", "llama_cpp_pld")
 ANCHOR_NAMES = HF_ANCHORS + LLAMA_CPP_ANCHORS
 # HF's own example value; it matches the depth of trees our methods verify at N = 16.
 PROMPT_LOOKUP_NUM_TOKENS = 10
-# llama.cpp's context: every benchmark prompt plus its new tokens fits; a fixed size keeps the KV
-# allocation the same for every run.
-LLAMA_CPP_CONTEXT = 8192
+# llama.cpp's context: every benchmark prompt plus its new tokens fits (Spec-Bench's longest is ~700
+# tokens); a fixed size keeps the KV allocation the same for every run.
+LLAMA_CPP_CONTEXT = 4096
 _PACKAGES = {"hf": "transformers", "llama_cpp": "llama_cpp"}
 _INSTALL = {"hf": "pip install transformers", "llama_cpp": "pip install 'graft-tk[anchors]' (llama-cpp-python; "
             "it builds llama.cpp from source, ~25 min on 2 cores)"}
@@ -231,9 +231,14 @@ class LlamaCppAnchors(_AnchorSet):
             import llama_cpp
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
             for n in names:
-                draft = LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_NUM_TOKENS) if n == "llama_cpp_pld" else None
-                self.llms[n] = llama_cpp.Llama(model_path=str(gguf), n_ctx=LLAMA_CPP_CONTEXT,
-                                               n_threads=torch.get_num_threads(), draft_model=draft, verbose=False)
+                pld = n == "llama_cpp_pld"
+                # With a draft model the binding keeps every position's logits but sizes that buffer by
+                # logits_all (else n_batch rows, and a prompt past 512 tokens fails): n_ctx x vocab fp32
+                # (2.5 GB for Qwen2.5's vocabulary).
+                self.llms[n] = llama_cpp.Llama(
+                    model_path=str(gguf), n_ctx=LLAMA_CPP_CONTEXT, n_threads=torch.get_num_threads(),
+                    draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_NUM_TOKENS) if pld else None,
+                    logits_all=pld, verbose=False)
         except Exception as e:  # noqa: BLE001 - a load failure disables these anchors, never the run
             for n in names:
                 self._record(n, "error", f"loading {gguf.name} in llama.cpp failed: {type(e).__name__}: {e}")

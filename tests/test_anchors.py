@@ -17,8 +17,8 @@ class FakeLlama:
     made = []
     script = [11, 12, 13, 14, 15, 16, 17, 18]
 
-    def __init__(self, model_path, n_ctx, n_threads, draft_model, verbose):
-        self.model_path, self.n_threads, self.draft_model = model_path, n_threads, draft_model
+    def __init__(self, model_path, n_ctx, n_threads, draft_model, logits_all, verbose):
+        self.model_path, self.n_threads, self.draft_model, self.logits_all = model_path, n_threads, draft_model, logits_all
         self.calls = []
         FakeLlama.made.append(self)
 
@@ -55,6 +55,7 @@ def test_llama_cpp_anchors_run_the_gguf_and_stop_like_our_decode(smollm2, fake_l
     plain, pld = fake_llama_cpp.made
     assert plain.model_path == str(gguf) and plain.n_threads == torch.get_num_threads()
     assert plain.draft_model is None and pld.draft_model.num_pred_tokens == anchors.PROMPT_LOOKUP_NUM_TOKENS
+    assert pld.logits_all and not plain.logits_all     # the binding's draft loop needs every position's logits
 
     tokens, stats = a.run("llama_cpp", [1, 2, 3], 5, 0.0, 7)
     assert tokens == [11, 12, 13, 14, 15] and stats["tokens"] == 5 and stats["method"] == "llama_cpp"
