@@ -185,12 +185,13 @@ def test_gguf_int4_keeps_4bit_blocks_exactly_and_is_smaller(smollm2, smollm2_int
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_every_method_equals_ar_greedy_on_quantized_smollm2(quant, smollm2_int4):
-    """Lossless on real weights in bf16: the quantized matmuls are row-invariant on this CPU, so
-    bf16 verification agrees with bf16 ``ar`` token for token."""
-    target = smollm2_int4 if quant == "int4" else graft_tk.load_model("smollm2-135m", dtype="bf16", quant=quant,
-                                                                        progress=False)
-    drafter = graft_tk.load_model("smollm2-135m", dtype="bf16", quant=quant, num_layers=10, progress=False)
+def test_every_method_equals_ar_greedy_on_quantized_smollm2(quant, smollm2_gguf):
+    """Lossless on real quantized weights, judged in fp32 as for float weights: in bf16 the
+    attention and norms are not row-invariant, and whether a near-tie flips depends on the CPU
+    (CI's left ``ar`` at token 24 where this machine's did not)."""
+    target = graft_tk.load_model("smollm2-135m", dtype="fp32", quant=quant, progress=False)
+    drafter = graft_tk.load_model("smollm2-135m", dtype="fp32", quant=quant, num_layers=10, progress=False)
+    assert quant in repr(target) and target.dtype == torch.float32
     ids = encode_prompt(target, "Write a Python function that returns the n-th Fibonacci number.", chat=True)
     ref = graft_tk.decode(target, ids, max_new_tokens=24)
     for method in SPECULATIVE:
