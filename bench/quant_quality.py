@@ -80,14 +80,18 @@ def main() -> None:
     p.add_argument("--n", type=int, default=20, help="the first N HumanEval problems (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=384)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds each program may run")
-    p.add_argument("--json", default=None, help="write every answer and verdict here")
+    p.add_argument("--json", default=None, help="every answer and verdict, written after each problem; a run "
+                                               "with the same arguments resumes from it")
     args = p.parse_args()
     quants = args.quants.split(",")
     problems = humaneval_problems()[:args.n]
+    runs = _resumed(args)
+    done = {r["task_id"] for r in runs}
     models = {q: graft_tk.load_model(args.model, dtype=args.dtype, quant=q) for q in quants}
-    runs = []
     t0 = time.perf_counter()
-    for problem in tqdm(problems, desc="humaneval", unit="problem", file=sys.stderr):
+    for problem in tqdm(problems, desc="humaneval", unit="problem", file=sys.stderr, initial=len(done)):
+        if problem["task_id"] in done:
+            continue
         reference = None
         for quant in quants:
             model = models[quant]
@@ -103,6 +107,7 @@ def main() -> None:
             runs.append({"task_id": problem["task_id"], "quant": quant, "tokens": len(r.tokens),
                          "agree": agreement(r.tokens, reference), "identical": r.tokens == reference,
                          "passed": passes(problem, completion, args.timeout), "answer": r.text})
+        _write(args, runs, None)
     minutes = (time.perf_counter() - t0) / 60
 
     print(f"\n{args.model}, {args.dtype} activations, HumanEval/0-{args.n - 1} ({args.n} problems), greedy, "
@@ -119,9 +124,26 @@ def main() -> None:
         s = summary[quant]
         print(f"| {quant} | {100 * s['pass_at_1']:.0f}% | {len(s['passed'])}/{len(mine)} | {s['agree']}/{s['tokens']} "
               f"| {s['identical']}/{len(mine)} |")
+    _write(args, runs, summary)
+
+
+def _resumed(args) -> list[dict]:
+    """The runs of an earlier, interrupted call with the same arguments (its --json), else none."""
+    if not args.json or not Path(args.json).exists():
+        return []
+    saved = json.loads(Path(args.json).read_text())
+    if saved.get("args") != vars(args):
+        raise SystemExit(f"{args.json} holds a run with other arguments ({saved.get('args')}); "
+                         "pass another --json or delete it")
+    return saved["runs"]   # written after each whole problem: every format's answer is there
+
+
+def _write(args, runs: list[dict], summary: dict | None) -> None:
+    """--json, atomically (written beside it, then renamed)."""
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "runs": runs, "summary": summary}, f, indent=1)
+        tmp = Path(args.json + ".tmp")
+        tmp.write_text(json.dumps({"args": vars(args), "runs": runs, "summary": summary}, indent=1))
+        tmp.replace(args.json)
 
 
 if __name__ == "__main__":
