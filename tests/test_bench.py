@@ -152,6 +152,22 @@ def test_compile_both_runs_every_method_eager_and_compiled(smollm2, monkeypatch)
     for name in plan.run_names:
         plan.run_once(name, [1, 2], 4)
     assert calls == [("ar", False), ("retrieval", False), ("ar", True), ("retrieval", True)]
+    # the untimed warm-up: a few tokens eager, the whole first prompt compiled (every graph built)
+    warmups = []
+
+    class TimedRunStarted(Exception):
+        pass
+
+    def record(plan_, name, ids, max_new_tokens):
+        if len(warmups) == len(plan.run_names):
+            raise TimedRunStarted
+        warmups.append((name, max_new_tokens))
+    monkeypatch.setattr(bench, "_guarded", record)
+    plan = bench.Plan(smollm2, None, GraftConfig(), ("ar", "retrieval"), prompts, 20, compile="both")
+    with pytest.raises(TimedRunStarted):
+        bench.run(plan)
+    assert warmups == [("ar", bench.WARMUP_TOKENS), ("retrieval", bench.WARMUP_TOKENS), ("ar:compiled", 20),
+                       ("retrieval:compiled", 20)]
     with pytest.raises(InputError, match="--compile"):
         bench.Plan(smollm2, None, GraftConfig(), ("ar",), prompts, 4, compile="yes")
 

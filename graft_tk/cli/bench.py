@@ -3,7 +3,8 @@
     graft-bench --model qwen2.5-coder-1.5b --methods ar,tree,pruned,retrieval,graft \\
                 --prompts spec-bench --n-per-category 2 --max-new-tokens 64 --json out.json --plot out.png
 
-Methods run interleaved prompt by prompt after one untimed warm-up each; every run starts from a
+Methods run interleaved prompt by prompt after one untimed warm-up each (a compiled one decodes
+the whole first prompt, building every graph); every run starts from a
 fresh engine (cold adjacency matrix), so no method inherits another's state. Reports medians of
 tokens/s and speedup over ``ar``, MAT, drafter forwards per step, accepted tokens by source, the
 time split, and whether each greedy output equals ``ar``'s. With transformers installed, HF
