@@ -26,12 +26,30 @@ def bucket(rows: int, head_dim: int, kv_len: int, dtype: str = "bfloat16") -> st
     return shape_bucket(int(rows), int(head_dim), int(kv_len), str(dtype).removeprefix("torch."))
 
 
+# Shared memory per block of the smallest GPU the kernels are built for (sm_80, A100: 163 KB). A
+# GPU with less (sm_86 / sm_89: 99 KB) skips the larger candidates when tuning (they fail to launch).
+SHARED_BYTES_MAX = 166_912
+
+
+def shared_bytes(block_m: int, block_n: int, head_dim: int, num_stages: int, dtype: str) -> int:
+    """Shared memory (bytes) a tile config compiles to on sm_80, fitted to what triton 3.9 reports
+    (exact to 512 B at the nine tiles probed, ``bench/compile_check.py``). fp32, whose ``ieee`` dots
+    run on FMA units: K and V tiles in num_stages - 1 buffers, the Q tile and the P tile, 4 bytes
+    each (64 x 128 tiles at d 64, 3 stages: 180,480 B). fp16 / bf16 on tensor cores: one K and one
+    V tile whatever the stages, the Q tile, a byte per P element (128 x 128 at d 128: 114,688 B)."""
+    if dtype == "float32":
+        return 4 * ((num_stages - 1) * 2 * block_n * head_dim + block_m * head_dim + block_m * block_n)
+    e = DTYPES[dtype].itemsize
+    return e * (2 * block_n * head_dim + block_m * head_dim) + block_m * block_n
+
+
 def configs(bucket: str) -> list[dict]:
     """BLOCK_M up to the bucket's rows (larger tiles would be padding), BLOCK_N 32-128, 4 or 8 warps,
-    2 or 3 stages: 12 tiles at rows 16, 36 at 64, 48 from 128; each with the keys in 1, 4 or 16
-    splits where every split keeps >= MIN_KEYS_PER_SPLIT keys (1 and 4 at kv_len 1024, all three
-    from 4096). At head dim 256 BLOCK_M x BLOCK_N stays <= 64 x 64: a 128-key K or V tile is 64 KB
-    in bf16, and 3 stages of both pass the 228 KB of shared memory of an H100."""
+    2 or 3 stages, without the tiles whose shared memory passes sm_80's (``shared_bytes``: only
+    fp32 ones, from 64 x 128 at head dim 64 and 64 x 64 at 128): at bf16 / fp16, 12 tiles at rows
+    16, 36 at 64, 48 from 128; each with the keys in
+    1, 4 or 16 splits where every split keeps >= MIN_KEYS_PER_SPLIT keys (1 and 4 at kv_len 1024,
+    all three from 4096). At head dim 256 BLOCK_M x BLOCK_N stays <= 64 x 64 as well (registers)."""
     b = parse_bucket(bucket)
     splits = [s for s in (1, 4, 16) if s == 1 or b["kv_len"] // s >= MIN_KEYS_PER_SPLIT]
     out = []
@@ -43,6 +61,9 @@ def configs(bucket: str) -> list[dict]:
                 continue
             for num_warps in (4, 8):
                 for num_stages in (2, 3):
+                    # 1 KB kept for the compiler's scratch (fp32's estimate runs up to 512 B under)
+                    if shared_bytes(block_m, block_n, b["head_dim"], num_stages, b["dtype"]) > SHARED_BYTES_MAX - 1024:
+                        continue
                     for kv_splits in splits:
                         out.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
                                         num_stages=num_stages, KV_SPLITS=kv_splits))

@@ -307,6 +307,23 @@ def test_tree_attention_buckets_and_candidates():
         ta_tunable.bucket(rows=4, head_dim=80, kv_len=100)
 
 
+def test_tree_attention_candidates_fit_sm80_shared_memory():
+    """fp32 64 x 128 tiles in 3 stages need 180 KB (compiled: 180,480 B), past sm_80's 163 KB: never
+    offered; bf16 tiles all fit (the largest, 128 x 128 at head dim 128, compiles to 114,688 B)."""
+    assert ta_tunable.shared_bytes(64, 128, 64, 3, "float32") == 180_224
+    assert ta_tunable.shared_bytes(128, 128, 128, 3, "bfloat16") == 114_688
+    assert len(ta_tunable.configs(shape_bucket(128, 128, 1024, "bfloat16"))) == 48 * 2
+    for dtype in ("float32", "bfloat16"):
+        for d in (64, 128, 256):
+            configs = ta_tunable.configs(shape_bucket(64, d, 4096, dtype))
+            assert configs
+            for c in configs:
+                assert ta_tunable.shared_bytes(c["BLOCK_M"], c["BLOCK_N"], d, c["num_stages"], dtype) <= 166_912
+    fp32 = ta_tunable.configs(shape_bucket(64, 64, 1024, "float32"))
+    tiles = {(c["BLOCK_M"], c["BLOCK_N"], c["num_stages"]) for c in fp32}
+    assert (64, 128, 2) in tiles and (64, 128, 3) not in tiles
+
+
 @pytest.mark.parametrize("kv_len,config", [
     (256, dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3, KV_SPLITS=1)),
     (1024, dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2, KV_SPLITS=4))], ids=["M32-N128", "M16-N32-split4"])
