@@ -47,9 +47,8 @@ def configs(bucket: str) -> list[dict]:
     """BLOCK_M up to the bucket's rows (larger tiles would be padding), BLOCK_N 32-128, 4 or 8 warps,
     2 or 3 stages, without the tiles whose shared memory passes sm_80's (``shared_bytes``: only
     fp32 ones, from 64 x 128 at head dim 64 and 64 x 64 at 128): at bf16 / fp16, 12 tiles at rows
-    16, 36 at 64, 48 from 128; each with the keys in
-    1, 4 or 16 splits where every split keeps >= MIN_KEYS_PER_SPLIT keys (1 and 4 at kv_len 1024,
-    all three from 4096). At head dim 256 BLOCK_M x BLOCK_N stays <= 64 x 64 as well (registers)."""
+    16, 36 at 64, 48 from 128; each with the keys in 1, 4 or 16 splits where every split keeps
+    >= MIN_KEYS_PER_SPLIT keys (1 and 4 at kv_len 1024, all three from 4096). At head dim 256 BLOCK_M x BLOCK_N stays <= 64 x 64 as well (registers)."""
     b = parse_bucket(bucket)
     splits = [s for s in (1, 4, 16) if s == 1 or b["kv_len"] // s >= MIN_KEYS_PER_SPLIT]
     out = []

@@ -227,8 +227,9 @@ def run(plan: Plan, on_run: Callable[[Prompt, str], None] | None = None) -> list
         # forward (one pending token or several, one frontier row or several), and an 8-token
         # warm-up, one step, left some to compile inside a timed run (94 s on the Qwen pair).
         compiled = plan.compile == "on" or name.endswith(COMPILED_SUFFIX)
+        tokens = plan.max_new_tokens if compiled else min(WARMUP_TOKENS, plan.max_new_tokens)
         t = time.perf_counter()
-        _guarded(plan, name, encoded[0][1], plan.max_new_tokens if compiled else min(WARMUP_TOKENS, plan.max_new_tokens))
+        _guarded(plan, name, encoded[0][1], tokens)
         plan.warmup_seconds[name] = time.perf_counter() - t
 
     rows = []
