@@ -22,6 +22,7 @@ compile or needs more shared memory than the arch has.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
 import multiprocessing
@@ -34,6 +35,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"   # before graft_tk: its kernels must be jitted, not interpreted
 
@@ -305,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="80,90", help="comma list of compute capabilities (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and no autotune candidates (CI)")
-    p.add_argument("--json", default=None, metavar="OUT", help="every compile's result")
+    p.add_argument("--json", default=None, metavar="OUT",
+                   help="every compile's result, written as it goes; a rerun with the same OUT compiles only what "
+                        "it lacks (same triton and kernel sources), so a long run can be stopped and resumed")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="compiles in parallel processes (default: one per CPU, %(default)s here)")
     args = p.parse_args(argv)
@@ -320,7 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(launches)} distinct launches recorded; compiling for {', '.join(f'sm_{a}' for a in archs)} ...",
           file=sys.stderr)
     work = [(launch, arch) for launch in launches for arch in archs]
-    results = []
+    header = {"archs": archs, "quick": args.quick, "triton": triton.__version__, "sources": _sources_hash()}
+    done = _resumable(args.json, header)
+    results = [done[k] for k in map(_key, work) if k in done]
+    work = [w for w in work if _key(w) not in done]
+    total = len(results) + len(work)
+    if results:
+        print(f"{len(results)} compiles taken from {args.json}; {len(work)} to go", file=sys.stderr)
     # spawned workers (not forked from a process whose torch thread pool has run); results in order
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         for result in pool.map(_compile_pair, work, chunksize=1):
@@ -328,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
             if not result.ok:  # at once, not only in the final list: a long run shows its failures as it goes
                 print(f"\nFAILED {result.kernel} sm_{result.arch} [{result.shape}] {result.config}: {result.error}",
                       file=sys.stderr)
-            print(f"\r  {len(results)}/{len(work)}", end="", file=sys.stderr, flush=True)
+            print(f"\r  {len(results)}/{total}", end="", file=sys.stderr, flush=True)
+            if args.json and len(results) % 20 == 0:
+                _write_json(args.json, header, results)
     print(file=sys.stderr)
     print(summary_table(results))
     failed = [r for r in results if not r.ok]
@@ -336,10 +348,48 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED {r.kernel} sm_{r.arch} [{r.shape}] {r.config}: {r.error}")
     print(f"\n{len(results)} compiles, {len(failed)} failed, {time.perf_counter() - t0:.0f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"archs": archs, "quick": args.quick, "triton": triton.__version__,
-                       "results": [asdict(r) for r in results]}, f, indent=1)
+        _write_json(args.json, header, results)
     return 1 if failed else 0
+
+
+def _key(item) -> tuple:
+    """A compile's identity across runs: (kernel, shape label, config, arch), from a work item or a Result."""
+    if isinstance(item, Result):
+        return item.kernel, item.shape, item.config, item.arch
+    launch, arch = item
+    return launch.kernel, launch.shape, launch.config(), arch
+
+
+def _sources_hash() -> str:
+    """The kernel modules' source: a result compiled from other sources is not reused."""
+    digest = hashlib.sha256()
+    for m in KERNEL_MODULES:
+        digest.update(Path(importlib.import_module(f"graft_tk.kernels.{m}").__file__).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _resumable(path: str | None, header: dict) -> dict:
+    """The results of an earlier run into ``path`` made with the same archs, set, triton and
+    sources, by key; none when there is no such file. A file that is not such a run is an error."""
+    if not path or not Path(path).exists():
+        return {}
+    try:
+        saved = json.loads(Path(path).read_text())
+        results = [Result(**r) for r in saved["results"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{path} is not a compile_check result file ({e}); pass another --json or delete it")
+    stale = {k: (saved.get(k), v) for k, v in header.items() if saved.get(k) != v}
+    if stale:
+        differs = ", ".join(f"{k}: {a} != {b}" for k, (a, b) in stale.items())
+        raise SystemExit(f"{path} was written by another run ({differs}); pass another --json or delete it")
+    return {_key(r): r for r in results}
+
+
+def _write_json(path: str, header: dict, results: list[Result]) -> None:
+    """Atomically: written beside ``path``, then renamed over it."""
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps({**header, "results": [asdict(r) for r in results]}, indent=1))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

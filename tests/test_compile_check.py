@@ -28,6 +28,14 @@ def test_every_kernel_compiles_for_sm80_and_sm90(tmp_path):
     assert {(r["kernel"], r["arch"]) for r in results} == {(k, a) for k in KERNELS for a in (80, 90)}
     assert all(r["ok"] and r["shared_bytes"] is not None and r["registers"] for r in results)
     assert "| tree_attention_kernel | sm_90 |" in run.stdout
+    # A rerun into the same file compiles nothing it already has; a file from another triton is refused.
+    again = subprocess.run(run.args, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0 and f"{len(results)} compiles taken from" in again.stderr, again.stderr[-2000:]
+    assert "0 to go" in again.stderr and json.loads(out.read_text())["results"] == results
+    saved = json.loads(out.read_text())
+    out.write_text(json.dumps({**saved, "triton": "0.0"}))
+    stale = subprocess.run(run.args, capture_output=True, text=True, env=env, timeout=600)
+    assert stale.returncode != 0 and "written by another run (triton: 0.0" in stale.stderr, stale.stderr[-2000:]
 
 
 def test_a_kernel_that_does_not_compile_is_named(tmp_path):
