@@ -45,6 +45,7 @@ from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from graft_tk._fs import atomic_write_text  # noqa: E402
 from graft_tk.kernels import draft_expand as expand_kernel  # noqa: E402
 from graft_tk.kernels import tree_attention as attention_kernel  # noqa: E402
 from graft_tk.adjacency import RetrievalTemplate, default_template, new_adjacency  # noqa: E402
@@ -386,10 +387,7 @@ def _resumable(path: str | None, header: dict) -> dict:
 
 
 def _write_json(path: str, header: dict, results: list[Result]) -> None:
-    """Atomically: written beside ``path``, then renamed over it."""
-    tmp = Path(path + ".tmp")
-    tmp.write_text(json.dumps({**header, "results": [asdict(r) for r in results]}, indent=1))
-    tmp.replace(path)
+    atomic_write_text(Path(path), json.dumps({**header, "results": [asdict(r) for r in results]}, indent=1))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 import graft_tk
+from graft_tk._fs import atomic_write_text
 from graft_tk.decode import encode_prompt
 from graft_tk.prompts import HUMANEVAL_INSTRUCTION, humaneval_problems
 
@@ -139,11 +140,8 @@ def _resumed(args) -> list[dict]:
 
 
 def _write(args, runs: list[dict], summary: dict | None) -> None:
-    """--json, atomically (written beside it, then renamed)."""
     if args.json:
-        tmp = Path(args.json + ".tmp")
-        tmp.write_text(json.dumps({"args": vars(args), "runs": runs, "summary": summary}, indent=1))
-        tmp.replace(args.json)
+        atomic_write_text(Path(args.json), json.dumps({"args": vars(args), "runs": runs, "summary": summary}, indent=1))
 
 
 if __name__ == "__main__":
