@@ -59,22 +59,25 @@ class ProfileKey:
     device: str
     dtype: str
     graft_tk: str
+    batch: int = 1      # requests verified together (graft-serve --max-batch): a config per batch size
 
     def file_name(self) -> str:
-        """Target, drafter, device and dtype (not weights or version: a mismatch there is *stale*)."""
+        """Target, drafter, device, dtype and a batch size past 1 (not weights or version: a
+        mismatch there is *stale*)."""
         parts = [self.target, self.drafter or "none", self.device, self.dtype]
         slug = "__".join(re.sub(r"[^A-Za-z0-9._-]+", "-", p).strip("-") for p in parts)
-        return slug[:180] + ".json"
+        return slug[:180] + (f"__batch{self.batch}" if self.batch > 1 else "") + ".json"
 
 
-def profile_key(target: Model, drafter: Model | Eagle3Head | None) -> ProfileKey:
+def profile_key(target: Model, drafter: Model | Eagle3Head | None, batch: int = 1) -> ProfileKey:
     """The pair's identity; a quantized model's format is part of its dtype (``bfloat16-int4``):
-    its costs, and so its best config, are its own."""
+    its costs, and so its best config, are its own; so are a batch size's."""
     return ProfileKey(target=target.name, target_weights=weights_fingerprint(target),
                       drafter=drafter.name + _quant_suffix(drafter) if drafter else None,
                       drafter_weights=weights_fingerprint(drafter) if drafter else None,
                       device=device_name(target.device),
-                      dtype=str(target.dtype).removeprefix("torch.") + _quant_suffix(target), graft_tk=__version__)
+                      dtype=str(target.dtype).removeprefix("torch.") + _quant_suffix(target), graft_tk=__version__,
+                      batch=batch)
 
 
 def _quant_suffix(model) -> str:
@@ -175,9 +178,11 @@ def read_profile(path: Path) -> Profile:
         raise CorruptFileError(f"profile {path} has invalid contents ({e}); {fix}") from e
 
 
-def find_profile(target: Model, drafter: Model | Eagle3Head | None, directory: Path | None = None) -> Profile | None:
-    """The usable profile for this pair, or None. Stale or corrupt ones warn (ProfileWarning) and give None."""
-    key = profile_key(target, drafter)
+def find_profile(target: Model, drafter: Model | Eagle3Head | None, directory: Path | None = None,
+                 batch: int = 1) -> Profile | None:
+    """The usable profile for this pair (at this batch size), or None. Stale or corrupt ones warn
+    (ProfileWarning) and give None."""
+    key = profile_key(target, drafter, batch)
     path = Path(directory or profile_dir()) / key.file_name()
     if not path.exists():
         return None
@@ -193,6 +198,14 @@ def find_profile(target: Model, drafter: Model | Eagle3Head | None, directory: P
                       f"--model {target.name} to refresh it", ProfileWarning, stacklevel=3)
         return None
     return profile
+
+
+def batch_policy(target: Model, drafter: Model | Eagle3Head | None, max_batch: int,
+                 directory: Path | None = None) -> dict[int, GraftConfig]:
+    """Batch size -> config, from the pair's profiles for batch sizes 2 .. max_batch
+    (``graft-calibrate --batch B``): what ``graft_tk.batch.Batch`` takes as its policy."""
+    found = {b: find_profile(target, drafter, directory, batch=b) for b in range(2, max_batch + 1)}
+    return {b: p.config for b, p in found.items() if p is not None}
 
 
 def list_profiles(directory: Path | None = None) -> list[tuple[Path, Profile | CorruptFileError]]:

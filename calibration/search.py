@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -57,9 +58,13 @@ def fit_template(levels: tuple[int, ...], k: int) -> tuple[int, ...]:
 
 
 # --------------------------------------------------------------------------- search space
-def suggest(trial: optuna.Trial, methods: tuple[str, ...]) -> tuple[str, GraftConfig]:
-    """The search space: method (when several), tau, N, K, D, retrieval k and template."""
+def suggest(trial: optuna.Trial, methods: tuple[str, ...], base: GraftConfig | None = None) -> tuple[str, GraftConfig]:
+    """The search space: method (when several), tau, N, K, D, retrieval k and template; with a
+    ``base`` config (a batch size's calibration), tau and N only, the rest kept from it."""
     method = trial.suggest_categorical("method", list(methods)) if len(methods) > 1 else methods[0]
+    if base is not None:
+        return method, dataclasses.replace(base, cost=None, tau=trial.suggest_float("tau", *TAU_RANGE, log=True),
+                                           budget=trial.suggest_int("budget", 2, 32, log=True))
     k = trial.suggest_int("retrieval_k", 2, 8)
     template = fit_template(TEMPLATES[trial.suggest_categorical("template", list(TEMPLATES))], k)
     config = GraftConfig(
@@ -71,12 +76,14 @@ def suggest(trial: optuna.Trial, methods: tuple[str, ...]) -> tuple[str, GraftCo
     return method, config
 
 
-def params_of(method: str, config: GraftConfig, methods: tuple[str, ...]) -> dict:
-    """Trial parameters that reproduce ``config`` (to enqueue the default or warm-start trial)."""
+def params_of(method: str, config: GraftConfig, methods: tuple[str, ...], batched: bool = False) -> dict:
+    """Trial parameters that reproduce ``config`` (to enqueue the default or warm-start trial);
+    ``batched``: of ``suggest``'s space with a base config (tau and N)."""
     template = next((n for n, lv in TEMPLATES.items() if fit_template(lv, config.retrieval_k) == config.template),
                     "tr80")
-    params = {"retrieval_k": config.retrieval_k, "template": template, "tau": config.tau,
-              "budget": config.budget, "top_k": config.top_k, "max_depth": config.max_depth}
+    params = ({"tau": config.tau, "budget": config.budget} if batched else
+              {"retrieval_k": config.retrieval_k, "template": template, "tau": config.tau,
+               "budget": config.budget, "top_k": config.top_k, "max_depth": config.max_depth})
     if len(methods) > 1:
         params["method"] = method
     return params
@@ -105,6 +112,10 @@ class Task:
     temperature: float = 0.0        # > 0: trials sample (seeded); outputs are then not compared with ar's
     top_p: float = 1.0
     compile: bool = False           # compiled step forwards (each new budget N compiles a verify graph)
+    # > 1: the prompts decode this many at a time (graft_tk.batch), scored by the batch's output
+    # tokens/s; only tau and N are searched, the rest kept from ``base`` (the pair's profile)
+    batch: int = 1
+    base: GraftConfig | None = None
 
     def __post_init__(self):
         if self.objectives not in OBJECTIVES:
@@ -115,6 +126,8 @@ class Task:
             raise InputError(f"--max-new-tokens must be >= {WARMUP_TOKENS}, got {self.max_new_tokens}")
         if self.repeats < 1:
             raise InputError(f"--repeats must be >= 1, got {self.repeats}")
+        if self.batch < 1 or (self.batch > 1 and self.compile):
+            raise InputError(f"--batch must be >= 1 and runs eagerly (no --compile), got {self.batch}")
         if self.drafter is None and any(m in USES_DRAFTER for m in self.methods):
             raise InputError(f"method(s) {', '.join(m for m in self.methods if m in USES_DRAFTER)} need a drafter; "
                              "pass --drafter NAME or self:L, or --methods retrieval,pld with --drafter none")
@@ -123,7 +136,7 @@ class Task:
         """What must match for a resumed study's trials to be comparable."""
         return {"prompts": [p.id for p in self.prompts], "max_new_tokens": self.max_new_tokens,
                 "methods": list(self.methods), "objectives": self.objectives, "repeats": self.repeats,
-                "temperature": self.temperature, "top_p": self.top_p, "graft_tk": __version__}
+                "temperature": self.temperature, "top_p": self.top_p, "graft_tk": __version__, "batch": self.batch}
 
 
 def default_storage() -> str:
@@ -132,9 +145,10 @@ def default_storage() -> str:
     return f"sqlite:///{path}"
 
 
-def default_study_name(target: Model, drafter: Model | Eagle3Head | None, objectives: str) -> str:
+def default_study_name(target: Model, drafter: Model | Eagle3Head | None, objectives: str, batch: int = 1) -> str:
     key = profile_key(target, drafter)
-    return f"{key.target} + {key.drafter or 'none'} | {key.device} | {key.dtype} | {objectives}"
+    return (f"{key.target} + {key.drafter or 'none'} | {key.device} | {key.dtype} | {objectives}"
+            + (f" | batch {batch}" if batch > 1 else ""))
 
 
 def open_study(storage: str, name: str, task: Task) -> optuna.Study:
@@ -173,19 +187,20 @@ class Objective:
 
     def __call__(self, trial: optuna.Trial):
         task = self.task
-        method, config = suggest(trial, task.methods)
+        method, config = suggest(trial, task.methods, task.base if task.batch > 1 else None)
         trial.set_user_attr("method", method)
         trial.set_user_attr("config", dataclasses.asdict(config))
         run_decode(task, method, config, self.encoded[0], WARMUP_TOKENS)   # warm-up, untimed
+        if task.batch > 1:   # one batched run over the prompts, scored by its output tokens/s
+            outputs, speed, stats_all = run_batch(task, method, config, self.encoded)
+            for j, tokens in enumerate(outputs):
+                self._check(trial, j, tokens)
+            return self._score(trial, [speed], [speed / self.ar_tok_s[0]], stats_all)
         tok_s, ratios, stats_all = [], [], []
-        for j, (ids, ref) in enumerate(zip(self.encoded, self.references)):
+        for j, ids in enumerate(self.encoded):
             runs = [run_decode(task, method, config, ids, task.max_new_tokens) for _ in range(task.repeats)]
             for tokens, _ in runs:
-                if task.temperature == 0 and tokens != ref:
-                    at = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), min(len(tokens), len(ref)))
-                    reason = f"output differs from ar on prompt {task.prompts[j].id} at new token {at}"
-                    trial.set_user_attr("failure", reason)
-                    raise OutputMismatch(reason)
+                self._check(trial, j, tokens)
             speeds = sorted(s["tokens_per_s"] for _, s in runs)
             tok_s.append(speeds[(len(speeds) - 1) // 2])
             ratios.append(tok_s[-1] / self.ar_tok_s[j])
@@ -195,6 +210,19 @@ class Objective:
                 if trial.should_prune():
                     trial.set_user_attr("tokens_per_s_partial", tok_s)
                     raise optuna.TrialPruned(f"median tokens/s {statistics.median(tok_s):.2f} after {j + 1} prompts")
+        return self._score(trial, tok_s, ratios, stats_all)
+
+    def _check(self, trial: optuna.Trial, j: int, tokens: list[int]) -> None:
+        """Greedy output must be ar's: a trial that differs fails."""
+        ref = self.references[j]
+        if self.task.temperature == 0 and tokens != ref:
+            at = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), min(len(tokens), len(ref)))
+            reason = f"output differs from ar on prompt {self.task.prompts[j].id} at new token {at}"
+            trial.set_user_attr("failure", reason)
+            raise OutputMismatch(reason)
+
+    def _score(self, trial: optuna.Trial, tok_s: list[float], ratios: list[float], stats_all: list[dict]):
+        task = self.task
         steps = sum(s["steps"] for s in stats_all)
         mat = sum(s["mat"] * s["steps"] for s in stats_all) / steps if steps else 1.0
         trial.set_user_attr("tokens_per_s_by_prompt", tok_s)
@@ -212,8 +240,25 @@ def run_decode(task: Task, method: str, config: GraftConfig | None, ids: list[in
                        task.seed, task.top_p, task.compile)
 
 
+def run_batch(task: Task, method: str, config: GraftConfig | None, encoded: list[list[int]]
+              ) -> tuple[list[list[int]], float, list[dict]]:
+    """The prompts decoded ``task.batch`` at a time with one cold Engine, cycled to twice the
+    batch size so that the batch stays full: (each prompt's first output, the run's output
+    tokens/s, every request's stats)."""
+    from graft_tk.batch import decode_batch
+    engine = Engine(task.target, task.drafter if method in USES_DRAFTER else None, config or GraftConfig())
+    requests = [encoded[i % len(encoded)] for i in range(max(len(encoded), 2 * task.batch))]
+    t = time.perf_counter()
+    results = decode_batch(engine, requests, method, task.batch, task.max_new_tokens, task.temperature,
+                           task.top_p, task.seed)
+    seconds = time.perf_counter() - t
+    tokens = sum(len(out) for out, _ in results)
+    return [out for out, _ in results[:len(encoded)]], tokens / seconds, [stats for _, stats in results]
+
+
 def reference_outputs(task: Task, prompts: list[Prompt]) -> tuple[list[list[int]], list[list[int]], list[float]]:
-    """(encoded prompts, ar outputs, ar tokens/s): the exactness bar and the speed baseline."""
+    """(encoded prompts, ar outputs, ar tokens/s): the exactness bar and the speed baseline
+    (batched: one figure, the batch's output tokens/s under ar)."""
     encoded = [encode_prompt(task.target, p.text, chat=True) for p in prompts]
     context = task.target.config.max_position_embeddings
     for p, ids in zip(prompts, encoded):
@@ -221,6 +266,9 @@ def reference_outputs(task: Task, prompts: list[Prompt]) -> tuple[list[list[int]
             raise InputError(f"prompt {p.id} ({len(ids)} tokens) + --max-new-tokens {task.max_new_tokens} does not fit "
                              f"{task.target.name}'s context of {context}; lower --max-new-tokens or use other prompts")
     run_decode(task, "ar", None, encoded[0], WARMUP_TOKENS)
+    if task.batch > 1:
+        refs, speed, _ = run_batch(task, "ar", None, encoded)
+        return encoded, refs, [speed]
     refs, speeds = [], []
     for ids in encoded:
         tokens, stats = run_decode(task, "ar", None, ids, task.max_new_tokens)
@@ -284,8 +332,10 @@ def calibrate(task: Task, study: optuna.Study, n_trials: int, timeout: float | N
     warm = None
     if not study.trials:
         default_method = "graft" if "graft" in task.methods else task.methods[0]
-        study.enqueue_trial(params_of(default_method, GraftConfig(), task.methods), user_attrs={"origin": "default"})
-        if any(m in USES_DRAFTER for m in task.methods) and any(m in USES_RETRIEVAL for m in task.methods):
+        batched = task.batch > 1
+        study.enqueue_trial(params_of(default_method, task.base or GraftConfig(), task.methods, batched),
+                            user_attrs={"origin": "default"})
+        if not batched and any(m in USES_DRAFTER for m in task.methods) and any(m in USES_RETRIEVAL for m in task.methods):
             warm = warm_start(task, encoded)
             log(warm.describe())
             study.enqueue_trial(params_of(default_method, dataclasses.replace(GraftConfig(), tau=warm.tau),

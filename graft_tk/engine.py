@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -16,7 +18,7 @@ from .acceptance import SCORE_EDGES, AcceptanceEstimates
 from .backend import HOST_READS, LAUNCHES
 from .compiled import StepForward
 from .config import PRUNES, USES_DRAFTER, USES_PROMPT_LOOKUP, USES_RETRIEVAL, GraftConfig
-from .drafting import DraftPool, as_drafter
+from .drafting import DraftPool, Drafter, as_drafter
 from .errors import InputError
 from .models import Model
 from .models.eagle3 import Eagle3Head
@@ -24,7 +26,7 @@ from .ops import ops_for
 from .adjacency import new_adjacency, template_from_level_sizes, warm_adjacency
 from .policy import StepPolicy
 from .sampling import next_token
-from .tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT, SOURCE_NAMES
+from .tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT, SOURCE_NAMES, BuiltTree, Tree
 
 # Launched inside model forwards (the attention, its split-KV combine): not step ops.
 FORWARD_KERNELS = ("_tree_attention_kernel", "_combine_splits_kernel")
@@ -87,29 +89,53 @@ class Engine:
 
     def generate(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
                  generator, on_tokens) -> tuple[list[int], dict]:
-        """Speculative decoding of ``ids``: returns (new tokens, stats)."""
+        """Speculative decoding of ``ids``: returns (new tokens, stats). The step, top to bottom:
+        ``propose`` (draft, retrieve, graft: the tree), one target forward verifies it, ``settle``
+        (accept, update M and the estimates, commit). ``graft_tk.batch`` runs the same step for
+        several requests with one forward."""
+        self.target.net.setup_cache(len(ids) + max_new_tokens + self.config.budget + 1)
+        seq = self.begin(ids, method, max_new_tokens, temperature, top_p, generator, on_tokens)
+        layers = seq.drafter.target_layers if seq.drafter is not None else None
+        while not seq.done:
+            proposal = self.propose(seq)
+            # 7. Verify the whole tree in one target forward with tree attention.
+            t, tree, start = seq.stats.clock(), proposal.tree, seq.target_len
+            tokens = tree.tokens.clamp(min=0)[None]   # padding (token -1) runs as token 0, masked off
+            logits, features = _forward(self.target_step, layers, tokens, tree.positions(start), start,
+                                        attn_mask=tree.attn_mask(), mask_prefix=start,
+                                        attention=self.ops.tree_attention)
+            seq.stats.add_time("verify", t)
+            self.settle(seq, proposal, logits, features, self.target.net.kv, start)
+        return seq.out, self.finish(seq)
+
+    def begin(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
+              generator, on_tokens, drafter: Drafter | None = None, batched: bool = False) -> "DecodeState":
+        """A request's state, after its prefill into the target cache as it stands (the caller
+        sized it, or shows one row of a batch's cache). ``drafter``: the request's own drafter
+        state (a batch gives each row one); default the engine's. ``batched``: verified at the full
+        budget with others (static shapes, no per-step policy)."""
         cfg, ops, target, tnet = self.config, self.ops, self.target, self.target.net
-        device, eos = target.device, set(target.eos_token_ids)
-        use_drafter, use_retrieval = method in USES_DRAFTER, method in USES_RETRIEVAL
-        use_pld = method in USES_PROMPT_LOOKUP
-        log_tau = math.log(cfg.tau) if method in PRUNES else -math.inf
-        cand_parents, cand_source, (pld_span, retrieval_span) = self._candidate_layout(use_pld, use_retrieval)
-        estimates = self.estimates
+        device = target.device
+        cand_parents, cand_source, spans = self._candidate_layout(method in USES_PROMPT_LOOKUP,
+                                                                   method in USES_RETRIEVAL)
+        drafter = (drafter or self.drafting) if method in USES_DRAFTER else None
         # Adaptive (a cost model, a method that prunes): the drafting depth every step, and the
         # budget too where the verify's size may change (not with static shapes).
-        policy = self.policy if method in PRUNES else None
-        adaptive_budget = policy is not None and not self.static_shapes
-        stats = _Stats(method, ops.backend, device)
-        t0 = time.perf_counter()
+        policy = self.policy if method in PRUNES and not batched else None
+        seq = DecodeState(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                          generator=generator, on_tokens=on_tokens, drafter=drafter, policy=policy,
+                          static_shapes=self.static_shapes or batched,
+                          budget=1 if method == "ar" else cfg.budget,
+                          log_tau=math.log(cfg.tau) if method in PRUNES else -math.inf,
+                          cand_parents=cand_parents, cand_source=cand_source, spans=spans,
+                          stats=_Stats(method, ops.backend, device), prompt_tokens=len(ids))
         n = len(ids)
-        tnet.setup_cache(n + max_new_tokens + cfg.budget + 1)
-        drafter = self.drafting if use_drafter else None
         # Target features the drafter reads (EAGLE-3: fused low/mid/high layers), from every target forward.
         layers = drafter.target_layers if drafter is not None else None
 
         # Prefill: the last position's logits give the first token; with warm-up, every position's
         # last-layer state goes to warm M (its logits made a chunk at a time, never [n, V] at once).
-        warm = use_retrieval and cfg.warm_from_prefill
+        warm = method in USES_RETRIEVAL and cfg.warm_from_prefill
         prompt = torch.tensor([ids], device=device)
         taken = (*(layers or ()), tnet.config.n_layers - 1) if warm else layers
         logits, features = _forward(tnet, taken, prompt, torch.arange(n, device=device), 0, last_only=True,
@@ -120,124 +146,180 @@ class Engine:
             features = features[:, :-dim] if layers is not None else None
         if drafter is not None:
             drafter.start(prompt[0], n + max_new_tokens + cfg.top_k * cfg.max_depth + 1, features, ops)
-        root = next_token(logits[-1:], temperature, top_p, generator)[0]   # on the device, as each step's bonus
-        first = HOST_READS.read(root)
-        out = [first]
+        seq.root = next_token(logits[-1:], temperature, top_p, generator)[0]   # on the device, as each step's bonus
+        first = HOST_READS.read(seq.root)
+        seq.out = [first]
         # The committed tokens on the device: context[:length] (prompt, then every committed token).
         # Prompt lookup searches it and a drafter reads its unseen tokens from it; the host keeps
         # only ``length`` and the tokens it streams.
-        context = torch.full((n + max_new_tokens + cfg.budget + 1,), -1, dtype=torch.long, device=device)
-        context[:n] = prompt[0]
-        context[n] = root
-        length = n + 1
-        target_len = n   # tokens whose KV is in the target cache; the root is the last committed
-        stats.prefill_seconds = time.perf_counter() - t0
-        done = first in eos or max_new_tokens <= 1
+        seq.context = torch.full((n + max_new_tokens + cfg.budget + 1,), -1, dtype=torch.long, device=device)
+        seq.context[:n] = prompt[0]
+        seq.context[n] = seq.root
+        seq.length = n + 1
+        seq.target_len = n   # tokens whose KV is in the target cache; the root is the last committed
+        seq.stats.prefill_seconds = time.perf_counter() - seq.t0
+        seq.done = first in target.eos_token_ids or max_new_tokens <= 1
         if on_tokens and on_tokens([first]):
-            done = True
+            seq.done = True
         # The score -> acceptance map the depth threshold reads (refreshed by each step's host read).
-        draft_rates = HOST_READS.read(estimates.draft_rates()) if policy is not None else None
+        seq.draft_rates = HOST_READS.read(self.estimates.draft_rates()) if policy is not None else None
+        return seq
 
-        while not done:
-            launches_before, reads_before = LAUNCHES.snapshot(), HOST_READS.count
-            # 1-2. Draft with calibrated pruning: the drafter's candidate pool (empty without a drafter).
-            t = stats.clock()
-            if drafter is not None and (policy is None or policy.should_draft()):
-                step_tau = log_tau if policy is None else policy.depth_log_tau(draft_rates, SCORE_EDGES, log_tau)
-                pool = drafter.draft(context, length, cfg, step_tau, ops)
-            else:
-                pool = DraftPool.empty(device)
-            stats.add_time("draft", t)
-            # 3-6. Candidates for the freed budget: the prompt-lookup chain and root-parallel retrieval
-            # from M, each with its estimated acceptance; one op prunes and reranks the pool, grafts
-            # the candidates, gives the N - 1 places to the likeliest nodes and emits the tree.
-            t = stats.clock()
-            candidates, values, ngram = [], [], None
-            if use_pld:
-                chain, ngram = ops.prompt_lookup(context, length, cfg.pld_max_ngram, 1, cfg.pld_tokens)
-                candidates.append(chain)
-                values.append(estimates.pld_values(ngram))
-            if use_retrieval:
-                candidates.append(ops.retrieve(self.adjacency, root, self.template))
-                values.append(estimates.retrieval_values())
-            cand_tokens = torch.cat(candidates) if candidates else torch.zeros(0, dtype=torch.long, device=device)
-            cand_values = torch.cat(values) if values else torch.zeros(0, device=device)
-            pool_values = estimates.draft_values(pool.scores)
-            built = ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, root, log_tau,
-                                   cand_tokens, cand_parents, cand_source, cfg.budget, pool_values, cand_values)
-            if adaptive_budget:   # the best n of the tree built at N (each node once), then that tree
-                budget = policy.budget(estimates.node_probs(built))
-                if budget < cfg.budget:
-                    built = ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, root,
-                                           log_tau, cand_tokens, cand_parents, cand_source, budget, pool_values,
-                                           cand_values)
-            tree = built.as_tree() if self.static_shapes else built.to_tree()   # to_tree: a host read
-            stats.add_time("retrieve", t)
-            # 7. Verify the whole tree in one target forward with tree attention.
-            t = stats.clock()
-            tokens = tree.tokens.clamp(min=0)[None]   # padding (token -1) runs as token 0, masked off
-            logits, features = _forward(self.target_step, layers, tokens, tree.positions(target_len), target_len,
-                                        attn_mask=tree.attn_mask(), mask_prefix=target_len,
-                                        attention=ops.tree_attention)
-            stats.add_time("verify", t)
-            # 8. Accept the longest path the target agrees with, plus a bonus token; update M (when
-            # this method reads it) and the acceptance estimates.
-            t = stats.clock()
-            uniforms = (torch.rand(tree.n, generator=generator, device=device) if temperature > 0 else None)
-            path, n_path, bonus = ops.accept(tree, logits, self.adjacency if use_retrieval else None,
-                                             temperature, top_p, uniforms)
-            stats.expect(built, estimates.node_probs(built))   # before the update: a prediction
-            estimates.update(built, path, pld_span, ngram, retrieval_span)
-            # The accepted nodes after the root, then the bonus, go into the context on the device
-            # (entries past what the host commits below are overwritten by the next step).
-            N, p = path.shape[0], path.clamp(min=0)
-            context[length:length + N] = torch.where(torch.arange(N, device=device) == n_path - 1, bonus,
-                                                     tree.tokens[p].roll(-1))
-            # One host read for all the host needs from this step: the path's length, its tokens,
-            # the bonus, its nodes' drafter slots, sources and depths; the tree's nodes per source;
-            # the refreshed score -> acceptance map when the policy reads it.
-            node_slots = pool.slots_of(built.pool_index[:tree.n])
-            (m, b), *per_node, nodes_by_source, rates = HOST_READS.read_many(
-                torch.stack([n_path.long(), bonus.long()]), path, tree.tokens[p], node_slots[p], tree.source[p],
-                tree.depth[p], torch.bincount(tree.source.long() + 1, minlength=len(SOURCE_NAMES) + 1)[1:],
-                estimates.draft_rates() if policy is not None else path[:0])
-            path_list, path_tokens, path_slots, path_source, path_depth = (x[:m] for x in per_node)
-            draft_rates = rates or draft_rates
-            path = path[:m]
-            new = path_tokens[1:] + [b]
-            # EOS inside the path and the max_new_tokens limit truncate what is committed.
-            for i, tok in enumerate(new):
-                if tok in eos or len(out) + i + 1 >= max_new_tokens:
-                    new, done = new[:i + 1], True
-                    break
-            stats.record_step(path_source, path_depth, nodes_by_source, len(new), pool.forwards, tree.n)
-            if policy is not None:
-                policy.observe(len(new), tree.n, pool.widths, drafted=pool.forwards > 0,
-                               drafted_accepted=path_source[1:].count(DRAFT))
-            if self.acceptance_log is not None:
-                on_path = set(path_list)
-                source, depth, scores = HOST_READS.read(torch.stack([tree.source.float(), tree.depth.float(),
-                                                                     tree.scores]))
-                self.acceptance_log += [(int(s), int(d), sc, i in on_path)
-                                        for i, (s, d, sc) in enumerate(zip(source, depth, scores)) if i > 0 and s >= 0]
-            length += len(new)
-            out += new
-            if on_tokens and on_tokens(new):
-                done = True
-            # 9. Commit: compact the target KV of the accepted path; bring the drafter up to date
-            # (a small model keeps the KV of accepted drafted nodes; an EAGLE-3 head keeps the path's
-            # target features).
-            if not done:
-                ops.commit_kv(tnet.kv, target_len + path, target_len)
-                target_len += m
-                if drafter is not None:
-                    drafter.commit(path, node_slots[p], path_slots, features, ops)
-                root = bonus      # the last committed token is the next step's root
-            stats.add_time("commit", t)
-            stats.record_launches(LAUNCHES.snapshot() - launches_before, pool.forwards)
-            stats.host_reads += HOST_READS.count - reads_before
+    def propose(self, seq: "DecodeState") -> "Proposal":
+        """Steps 1-6 for one request: its drafter's pruned tree, the prompt-lookup chain and
+        root-parallel retrieval grafted into the freed budget, as one tree of ``seq.budget`` nodes."""
+        cfg, ops, estimates, policy, device = self.config, self.ops, self.estimates, seq.policy, self.target.device
+        launches_before, reads_before = LAUNCHES.snapshot(), HOST_READS.count
+        # 1-2. Draft with calibrated pruning: the drafter's candidate pool (empty without a drafter).
+        t = seq.stats.clock()
+        if seq.drafter is not None and (policy is None or policy.should_draft()):
+            step_tau = (seq.log_tau if policy is None
+                        else policy.depth_log_tau(seq.draft_rates, SCORE_EDGES, seq.log_tau))
+            pool = seq.drafter.draft(seq.context, seq.length, cfg, step_tau, ops)
+        else:
+            pool = DraftPool.empty(device)
+        seq.stats.add_time("draft", t)
+        # 3-6. Candidates for the freed budget: the prompt-lookup chain and root-parallel retrieval
+        # from M, each with its estimated acceptance; one op prunes and reranks the pool, grafts
+        # the candidates, gives the N - 1 places to the likeliest nodes and emits the tree.
+        t = seq.stats.clock()
+        candidates, values, ngram = [], [], None
+        if seq.method in USES_PROMPT_LOOKUP:
+            chain, ngram = ops.prompt_lookup(seq.context, seq.length, cfg.pld_max_ngram, 1, cfg.pld_tokens)
+            candidates.append(chain)
+            values.append(estimates.pld_values(ngram))
+        if seq.method in USES_RETRIEVAL:
+            candidates.append(ops.retrieve(self.adjacency, seq.root, self.template))
+            values.append(estimates.retrieval_values())
+        cand_tokens = torch.cat(candidates) if candidates else torch.zeros(0, dtype=torch.long, device=device)
+        cand_values = torch.cat(values) if values else torch.zeros(0, device=device)
+        pool_values = estimates.draft_values(pool.scores)
 
-        return out, stats.finish(n, len(out), time.perf_counter() - t0)
+        def build(budget: int):
+            return ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, seq.root, seq.log_tau,
+                                  cand_tokens, seq.cand_parents, seq.cand_source, budget, pool_values, cand_values)
+
+        built = build(seq.budget)
+        if policy is not None and not seq.static_shapes:   # the best n of the tree built at N, then that tree
+            budget = policy.budget(estimates.node_probs(built))
+            if budget < seq.budget:
+                built = build(budget)
+        tree = built.as_tree() if seq.static_shapes else built.to_tree()   # to_tree: a host read
+        seq.stats.add_time("retrieve", t)
+        seq.step_launches = LAUNCHES.snapshot() - launches_before
+        seq.stats.host_reads += HOST_READS.count - reads_before
+        return Proposal(pool, built, tree, ngram)
+
+    def settle(self, seq: "DecodeState", proposal: "Proposal", logits: torch.Tensor, features: torch.Tensor | None,
+               kv: torch.Tensor, tree_start: int) -> None:
+        """Steps 8-9 for one request, from its verify ``logits`` [n, V] (``features`` for an
+        EAGLE-3 drafter): accept, update M and the estimates, stream the new tokens, and commit the
+        path's KV from the tree's slots [tree_start, tree_start + n) of ``kv`` to the prefix's end."""
+        cfg, ops, estimates, policy, device = self.config, self.ops, self.estimates, seq.policy, self.target.device
+        launches_before, reads_before = LAUNCHES.snapshot(), HOST_READS.count
+        pool, built, tree = proposal.pool, proposal.built, proposal.tree
+        use_retrieval = seq.method in USES_RETRIEVAL
+        # 8. Accept the longest path the target agrees with, plus a bonus token; update M (when
+        # this method reads it) and the acceptance estimates.
+        t = seq.stats.clock()
+        uniforms = (torch.rand(tree.n, generator=seq.generator, device=device) if seq.temperature > 0 else None)
+        path, n_path, bonus = ops.accept(tree, logits, self.adjacency if use_retrieval else None,
+                                         seq.temperature, seq.top_p, uniforms)
+        seq.stats.expect(built, estimates.node_probs(built))   # before the update: a prediction
+        pld_span, retrieval_span = seq.spans
+        estimates.update(built, path, pld_span, proposal.ngram, retrieval_span)
+        # The accepted nodes after the root, then the bonus, go into the context on the device
+        # (entries past what the host commits below are overwritten by the next step).
+        N, p = path.shape[0], path.clamp(min=0)
+        seq.context[seq.length:seq.length + N] = torch.where(torch.arange(N, device=device) == n_path - 1, bonus,
+                                                             tree.tokens[p].roll(-1))
+        # One host read for all the host needs from this step: the path's length, its tokens,
+        # the bonus, its nodes' drafter slots, sources and depths; the tree's nodes per source;
+        # the refreshed score -> acceptance map when the policy reads it.
+        node_slots = pool.slots_of(built.pool_index[:tree.n])
+        (m, b), *per_node, nodes_by_source, rates = HOST_READS.read_many(
+            torch.stack([n_path.long(), bonus.long()]), path, tree.tokens[p], node_slots[p], tree.source[p],
+            tree.depth[p], torch.bincount(tree.source.long() + 1, minlength=len(SOURCE_NAMES) + 1)[1:],
+            estimates.draft_rates() if policy is not None else path[:0])
+        path_list, path_tokens, path_slots, path_source, path_depth = (x[:m] for x in per_node)
+        seq.draft_rates = rates or seq.draft_rates
+        path = path[:m]
+        new = path_tokens[1:] + [b]
+        # EOS inside the path and the max_new_tokens limit truncate what is committed.
+        eos = self.target.eos_token_ids
+        for i, tok in enumerate(new):
+            if tok in eos or len(seq.out) + i + 1 >= seq.max_new_tokens:
+                new, seq.done = new[:i + 1], True
+                break
+        seq.stats.record_step(path_source, path_depth, nodes_by_source, len(new), pool.forwards, tree.n)
+        if policy is not None:
+            policy.observe(len(new), tree.n, pool.widths, drafted=pool.forwards > 0,
+                           drafted_accepted=path_source[1:].count(DRAFT))
+        if self.acceptance_log is not None:
+            on_path = set(path_list)
+            source, depth, scores = HOST_READS.read(torch.stack([tree.source.float(), tree.depth.float(),
+                                                                 tree.scores]))
+            self.acceptance_log += [(int(s), int(d), sc, i in on_path)
+                                    for i, (s, d, sc) in enumerate(zip(source, depth, scores)) if i > 0 and s >= 0]
+        seq.length += len(new)
+        seq.out += new
+        if seq.on_tokens and seq.on_tokens(new):
+            seq.done = True
+        # 9. Commit: move the target KV of the accepted path to the prefix's end; bring the drafter
+        # up to date (a small model keeps the KV of accepted drafted nodes; an EAGLE-3 head keeps
+        # the path's target features).
+        if not seq.done:
+            ops.commit_kv(kv, tree_start + path, seq.target_len)
+            seq.target_len += m
+            if seq.drafter is not None:
+                seq.drafter.commit(path, node_slots[p], path_slots, features, ops)
+            seq.root = bonus      # the last committed token is the next step's root
+        seq.stats.add_time("commit", t)
+        seq.stats.record_launches(seq.step_launches + (LAUNCHES.snapshot() - launches_before), pool.forwards)
+        seq.stats.host_reads += HOST_READS.count - reads_before
+
+    def finish(self, seq: "DecodeState") -> dict:
+        """The request's stats (``DecodeResult.stats``)."""
+        return seq.stats.finish(seq.prompt_tokens, len(seq.out), time.perf_counter() - seq.t0)
+
+
+class Proposal(NamedTuple):
+    """A step's tree for one request, and what settling it needs."""
+    pool: DraftPool
+    built: BuiltTree
+    tree: Tree
+    ngram: torch.Tensor | None
+
+
+@dataclass(eq=False)
+class DecodeState:
+    """One request in decoding: its sampling settings, drafter state, context and counters.
+    Shared across requests (on the Engine): M, the acceptance estimates, the step policy."""
+    method: str
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    generator: torch.Generator | None
+    on_tokens: Callable[[list[int]], bool | None] | None
+    drafter: Drafter | None       # None: the method drafts nothing
+    policy: StepPolicy | None       # per-step depth and budget by expected gain (not batched)
+    static_shapes: bool             # verified at the full budget, padding masked
+    budget: int                     # N (1 for ar)
+    log_tau: float                  # pruning threshold; -inf: no pruning
+    cand_parents: torch.Tensor      # the grafted candidates' layout (Engine._candidate_layout)
+    cand_source: torch.Tensor
+    spans: tuple                    # [start, end) of the pld and retrieval candidates, None if unused
+    stats: "_Stats"
+    prompt_tokens: int
+    t0: float = field(default_factory=time.perf_counter)
+    context: torch.Tensor | None = None   # committed tokens on the device (prompt first): context[:length]
+    length: int = 0
+    target_len: int = 0             # committed tokens whose KV is in the target cache (all but the root)
+    root: torch.Tensor | None = None      # the last committed token, on the device
+    out: list[int] = field(default_factory=list)   # new tokens so far (what was streamed)
+    done: bool = False
+    draft_rates: list[float] | None = None
+    step_launches: Counter = field(default_factory=Counter)   # this step's launches before the verify
 
 
 def _forward(net, hidden_layers, tokens, positions, start, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:

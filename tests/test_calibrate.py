@@ -173,3 +173,20 @@ def test_pareto_front_keeps_only_undominated_trials():
     trials = [Trial(10, 3), Trial(8, 5), Trial(9, 2), Trial(12, 1), Trial(8, 5)]
     front = pareto_front(trials)   # (9, 2) is beaten by (10, 3); ties on both objectives both stay
     assert [(t.values[0], t.user_attrs["mat"]) for t in front] == [(10, 3), (8, 5), (12, 1), (8, 5)]
+
+
+@pytest.mark.slow
+def test_calibrate_for_a_batch_size_writes_that_sizes_profile(calib_env, smollm2, drafter10, capsys):
+    """--batch 2: tau and N searched on the prompts decoded two at a time; a profile of its own
+    (file name ...__batch2.json) that batch_policy hands to graft-serve."""
+    from graft_tk.calibration.profiles import batch_policy
+    assert cli.main(_args(calib_env, trials=2) + ["--batch", "2"]) == 0
+    profiles = list((calib_env["dir"] / "profiles").glob("*.json"))
+    assert [p.name.endswith("__batch2.json") for p in profiles] == [True]
+    profile = read_profile(profiles[0])
+    assert profile.key == profile_key(smollm2, drafter10, batch=2) and profile.measured["batch"] == 2
+    assert profile.measured["tokens_per_s"] > 0
+    study = optuna.load_study(study_name="t", storage=calib_env["storage"])
+    assert set(study.trials[1].params) == {"tau", "budget"}        # the first is the default, enqueued
+    assert find_profile(smollm2, drafter10) is None                 # batch size 1 has none
+    assert batch_policy(smollm2, drafter10, 4) == {2: profile.config}

@@ -29,8 +29,8 @@ PROMPTS = ["Name three colours.", "Write a haiku about the sea.", "What is 2 + 2
 
 
 @contextlib.contextmanager
-def serving(target, drafter, method="graft", max_queue=64):
-    scheduler = Scheduler(target, drafter, method, GraftConfig(), max_queue, Metrics())
+def serving(target, drafter, method="graft", max_queue=64, max_batch=1):
+    scheduler = Scheduler(target, drafter, method, GraftConfig(), max_queue, Metrics(), max_batch)
     server = uvicorn.Server(uvicorn.Config(create_app(scheduler, NAME), log_level="warning"))
     sock = socket.create_server(("127.0.0.1", 0))
     scheduler.start()
@@ -161,7 +161,7 @@ def test_a_client_that_goes_away_mid_stream_frees_the_decoder(server, client):
     while metric(url, 'requests_total{kind="completion",finish_reason="cancelled"}') == cancelled:
         assert time.monotonic() < deadline, "the abandoned request kept decoding"
         time.sleep(0.1)
-    assert scheduler.current is None or scheduler.current.request.max_tokens != 400
+    assert all(job.request.max_tokens != 400 for job in scheduler.running.values())
     assert client.completions.create(model=NAME, prompt="Hi", temperature=0, max_tokens=2).usage.completion_tokens
 
 
@@ -175,7 +175,7 @@ def test_a_full_queue_answers_429(smollm2, drafter):
             return True
         blocker.on_tokens = hold
         scheduler.submit(blocker)
-        while scheduler.current is not blocker:
+        while blocker not in scheduler.running.values():
             time.sleep(0.01)
         waiting = Job(blocker.request, [1, 2, 3], smollm2, asyncio_loop_stub())
         scheduler.submit(waiting)                                  # the queue's one place
@@ -207,6 +207,69 @@ def test_forty_requests_eight_at_a_time_all_complete_unmixed(smollm2, client):
     for p, r in results:
         assert r.choices[0].message.content == want[p]
         assert r.usage.completion_tokens == 8 or r.choices[0].finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def batched(smollm2, drafter):
+    """graft-serve with --max-batch 4: requests decode together, one target forward per step."""
+    with serving(smollm2, drafter, max_batch=4) as (url, scheduler):
+        yield url, scheduler, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_batched_requests_stream_and_equal_plain_greedy(smollm2, batched):
+    """Four clients at once (chat, completion, both streamed and not) through one batch: each
+    gets its own plain greedy answer, and the batch held more than one request at a time."""
+    url, scheduler, client = batched
+    want = {p: expected(smollm2, p, 16).text for p in PROMPTS}
+
+    def ask(i):
+        p = PROMPTS[i]
+        if i % 2:
+            chunks = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": p}],
+                                                    temperature=0, max_tokens=16, stream=True)
+            return p, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": p}], temperature=0,
+                                           max_tokens=16)
+        return p, r.choices[0].message.content
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(ask, range(4), timeout=600))
+    assert all(text == want[p] for p, text in results)
+    assert scheduler.peak_batch > 1
+    r = client.completions.create(model=NAME, prompt="def add(a, b):", temperature=0, max_tokens=12)
+    assert r.choices[0].text == expected(smollm2, "def add(a, b):", 12, chat=False).text
+
+
+def test_batched_forty_requests_eight_at_a_time_all_complete_unmixed(smollm2, batched):
+    url, scheduler, client = batched
+    want = {p: expected(smollm2, p, 8).text for p in PROMPTS}
+
+    def ask(i):
+        p = PROMPTS[i % len(PROMPTS)]
+        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": p}],
+                                           temperature=0, max_tokens=8)
+        return p, r
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, range(40), timeout=600))
+    assert len(results) == 40
+    for p, r in results:
+        assert r.choices[0].message.content == want[p]
+        assert r.usage.completion_tokens == 8 or r.choices[0].finish_reason == "stop"
+    assert scheduler.peak_batch == 4
+
+
+def test_batched_client_that_goes_away_frees_its_row(batched):
+    url, scheduler, client = batched
+    cancelled = metric(url, 'requests_total{kind="completion",finish_reason="cancelled"}')
+    body = {"model": NAME, "prompt": "Count from one to one thousand in words:", "max_tokens": 400,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())
+    deadline = time.monotonic() + 60
+    while metric(url, 'requests_total{kind="completion",finish_reason="cancelled"}') == cancelled:
+        assert time.monotonic() < deadline, "the abandoned request kept its row"
+        time.sleep(0.1)
+    assert len(scheduler.batch) == 0 or all(j.request.max_tokens != 400 for j in scheduler.running.values())
+    assert client.completions.create(model=NAME, prompt="Hi", temperature=0, max_tokens=2).usage.completion_tokens
 
 
 def test_parse_request_reads_what_openai_clients_send():

@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only measure the device's cost model and learn the acceptance priors (on --n-prompts "
                         "prompts) into this pair's profile (keeps its config; the default config when there "
                         "is no profile yet)")
+    p.add_argument("--batch", type=int, default=1, metavar="B",
+                   help="calibrate for B requests decoded together (graft-serve --max-batch): tau and N only, "
+                        "scored by the batch's output tokens/s; the profile is the pair's for batch size B "
+                        "(default: %(default)s)")
     p.add_argument("--show", action="store_true", help="list profiles and studies, then exit")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -121,13 +125,20 @@ def run(args) -> int:
         return run_cost_only(args, target, drafter)
     args.prompts = args.prompts or default_prompts()
     tune, held_out = split_prompts(load_prompts(args.prompts), args.n_prompts, args.validate)
+    base = None
+    if args.batch > 1:   # tau and N for this batch size; the rest is the pair's (its profile, else the default)
+        from ..calibration.profiles import find_profile
+        single = find_profile(target, drafter)
+        base, held_out = (single.config if single else GraftConfig()), []
+        print(f"batch {args.batch}: searching tau and N; the rest from "
+              f"{single.path if single else 'the default config'}", file=sys.stderr)
     task = search.Task(target=target, drafter=drafter, prompts=tune, validation=held_out,
                        max_new_tokens=args.max_new_tokens, methods=methods, objectives=args.objectives,
                        repeats=args.repeats, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
-                       compile=args.compile)
+                       compile=args.compile, batch=args.batch, base=base)
     storage = args.storage or search.default_storage()
     # compiled forwards have their own cost curve: their trials go to a study of their own
-    name = args.study_name or (search.default_study_name(target, drafter, args.objectives)
+    name = args.study_name or (search.default_study_name(target, drafter, args.objectives, args.batch)
                                + ("-compiled" if args.compile else ""))
     study = search.open_study(storage, name, task)
     print(f"study {name!r} in {storage}: {len(study.trials)} earlier trials; running {args.trials} more "
@@ -171,9 +182,9 @@ def run(args) -> int:
                     "warm_start_tau": outcome.warm.tau if outcome.warm else None,
                     "validation": outcome.validation, "study": name, "storage": storage,
                     "prompts": args.prompts, "tuning_prompts": [p.id for p in tune],
-                    "max_new_tokens": args.max_new_tokens, "trials": len(study.trials),
+                    "max_new_tokens": args.max_new_tokens, "trials": len(study.trials), "batch": args.batch,
                     "calibrated_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        key = profile_key(target, drafter)
+        key = profile_key(target, drafter, args.batch)
         profile_path = write_profile(key, method, config, measured, Path(args.profile_dir) if args.profile_dir else None)
         png = report.plot_trials(study, profile_path.with_suffix(".png"), f"{target.name} + "
                                  f"{drafter.name if drafter else 'no drafter'}, {key.dtype}, {key.device}")

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="default: %(default)s (loopback only)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 429 (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="requests decoded together, one target forward per step for all (continuous batching); "
+                        "1 decodes one at a time (default: %(default)s)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds requests in flight may finish after SIGTERM (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -67,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_queue < 1:
             raise InputError(f"--max-queue must be >= 1, got {args.max_queue}")
+        if args.max_batch < 1:
+            raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
         if not 0 <= args.port < 65536:
             raise InputError(f"--port must be in [0, 65535], got {args.port}")
         spec = f"eagle3:{args.eagle3}" if args.eagle3 else (args.drafter or default_drafter(args.model))
@@ -81,7 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     except GraftError as e:
         print(f"graft-serve: error: {e}", file=sys.stderr)
         return 2
-    scheduler = Scheduler(target, drafter, method, config, args.max_queue, Metrics())
+    policy = {}
+    if args.max_batch > 1 and method != "ar":
+        from ..calibration.profiles import batch_policy
+        policy = batch_policy(target, drafter, args.max_batch)
+    plan = ", ".join(f"from {b}: N={c.budget} tau={c.tau:.3g}" for b, c in policy.items())
+    try:
+        scheduler = Scheduler(target, drafter, method, config, args.max_queue, Metrics(), args.max_batch, policy)
+    except GraftError as e:   # e.g. a batch of an EAGLE-3 head's requests
+        print(f"graft-serve: error: {e}", file=sys.stderr)
+        return 2
     name = args.served_model_name or args.model
     app = create_app(scheduler, name)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.grace))
@@ -92,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     host, port = sock.getsockname()[:2]
     logging.getLogger("graft_tk.server").info(
-        "serving %s (%s, %s weights, config: %s) at http://%s:%d/v1", name, method, target.quant, source, host, port)
+        "serving %s (%s, %s weights, config: %s, batches of up to %d%s) at http://%s:%d/v1", name, method,
+        target.quant, source, args.max_batch, f"; by batch size {plan}" if plan else "", host, port)
     # uvicorn handles SIGTERM / SIGINT while it runs and raises them again after its shutdown; these
     # handlers take that second delivery, so the process ends with the cleanup below and status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -26,6 +26,7 @@ prefix keys read without a mask).
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -162,6 +163,8 @@ def ensure_cache(module: nn.Module, n_layers: int, batch_size: int, n_kv_heads: 
         return
     slots = -(-max_seq_len // CACHE_SLOTS_MULTIPLE) * CACHE_SLOTS_MULTIPLE
     module.kv, module.rope = new_cache(n_layers, batch_size, n_kv_heads, slots, head_dim, weight, module.inv_freq)
+    if kv is not None and kv.shape[2] == batch_size:   # grown: what it held is kept (a batch's rows in flight)
+        module.kv[:, :, :, :, :kv.shape[4]] = kv
 
 
 class Attention(nn.Module):
@@ -327,6 +330,20 @@ class Transformer(nn.Module):
     def cache_len(self) -> int:
         return 0 if self.kv is None else self.kv.shape[4]
 
+    @contextmanager
+    def cache_rows(self, start: int, stop: int):
+        """Forwards inside see only batch rows [start, stop) of the cache: a view, so what they
+        write lands in those rows (``graft_tk.batch`` prefills and drafts one request's row)."""
+        full = self.kv
+        self.kv = view = full[:, :, start:stop]
+        try:
+            yield view
+        finally:
+            replaced = self.kv is not view
+            self.kv = full
+            if replaced:
+                raise RuntimeError("the KV cache was reallocated inside cache_rows; size it before (setup_cache)")
+
     def setup_cache(self, max_seq_len: int, batch_size: int = 1) -> None:
         """Allocate the static KV cache and RoPE tables; kept when already large enough for this batch."""
         c = self.config
@@ -369,13 +386,18 @@ class Transformer(nn.Module):
         """The fixed-shape forward (gpt-fast's ``input_pos`` form), what ``torch.compile`` captures:
         the new K/V go to cache ``slots`` [T] (int64, on the device) and attention runs over all
         S cache slots with ``visible`` [T, S] (``cache_visibility``), so no shape and no Python
-        value depends on the context length. The caller guarantees slots < S. Other arguments
+        value depends on the context length; ``visible`` [B, T, S] gives each sequence its own
+        (a batch of trees, each over its own row's prefix; SDPA). The caller guarantees slots < S. Other arguments
         and the result as ``forward``."""
+        B, T = tokens.shape
         S = self.cache_len
-        if visible.dtype != torch.bool or tuple(visible.shape) != (tokens.shape[1], S):
-            raise InputError(f"visible must be bool [T={tokens.shape[1]}, S={S}], got {visible.dtype} "
+        if visible.dtype != torch.bool or tuple(visible.shape[-2:]) != (T, S) or visible.dim() not in (2, 3):
+            raise InputError(f"visible must be bool [T={T}, S={S}] or [B={B}, T, S], got {visible.dtype} "
                              f"{list(visible.shape)}")
-        mask = AttentionMask(0, visible, attention or reference_attention)
+        if visible.dim() == 3:   # one mask per sequence (a batch of trees over rows of the cache): SDPA
+            mask = AttentionMask(per_sequence=visible[:, None])
+        else:
+            mask = AttentionMask(0, visible, attention or reference_attention)
         return self._layers(tokens, positions, slots, mask, last_only, hidden_layers)
 
     def _layers(self, tokens, positions, slots, mask, last_only, hidden_layers):

@@ -84,7 +84,7 @@ def create_app(scheduler: Scheduler, served_name: str) -> Starlette:
         return JSONResponse({"status": "ok" if alive else "decode thread stopped"}, status_code=200 if alive else 503)
 
     async def prometheus(request: HTTPRequest) -> Response:
-        return PlainTextResponse(metrics.render(scheduler.queued, int(scheduler.current is not None)),
+        return PlainTextResponse(metrics.render(scheduler.queued, len(scheduler.running)),
                                  media_type="text/plain; version=0.0.4")
 
     async def http_error(request: HTTPRequest, exc: HTTPException) -> Response:

@@ -1,11 +1,13 @@
 """The decode side of graft-serve: a bounded queue of jobs and one thread that decodes them.
 
-The HTTP handlers (asyncio) submit a ``Job`` and wait on it; the decode thread runs
-``graft_tk.decode`` for one job at a time with one long-lived ``Engine``, so the adjacency matrix
-that retrieval reads stays warm across requests. Tokens reach the job as they commit
+The HTTP handlers (asyncio) submit a ``Job`` and wait on it; the decode thread decodes with one
+long-lived ``Engine``, so the adjacency matrix that retrieval reads stays warm across requests.
+With ``max_batch`` = 1 it runs ``graft_tk.decode`` for one job at a time; with more, up to
+``max_batch`` jobs decode together in a ``graft_tk.batch.Batch`` (one target forward per step for
+all of them), a queued job joining as soon as a row is free. Tokens reach the job as they commit
 (``on_tokens``); the job turns them into text, cuts it at a stop string, holds back what may be the
 start of one (or half a UTF-8 character), and wakes its handler. A job whose client went away is
-cancelled: its ``on_tokens`` answers True and decoding stops after the current step.
+cancelled: its ``on_tokens`` answers True and its decoding stops after the current step.
 """
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ import threading
 import time
 import uuid
 
+import torch
+
+from ..batch import Batch
 from ..decode import decode
 from ..engine import Engine
 from ..models import Model
@@ -107,17 +112,24 @@ class Job:
 
 
 class Scheduler:
-    """Jobs in a bounded FIFO queue, decoded one at a time by a single thread with one Engine."""
+    """Jobs in a bounded FIFO queue, decoded by a single thread with one Engine: one at a time
+    (``max_batch`` = 1) or up to ``max_batch`` together (continuous batching)."""
 
-    def __init__(self, target: Model, drafter, method: str, config, max_queue: int, metrics: Metrics):
+    def __init__(self, target: Model, drafter, method: str, config, max_queue: int, metrics: Metrics,
+                 max_batch: int = 1, policy: dict | None = None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.target, self.drafter, self.method, self.metrics = target, drafter, method, metrics
-        self.engine = None if method == "ar" else Engine(target, drafter, config)
+        self.max_batch = max_batch
+        self.engine = None if method == "ar" and max_batch == 1 else Engine(target, drafter, config)
+        # policy: batch size -> config (N and tau by batch size, graft-calibrate --batch B)
+        self.batch = Batch(self.engine, method, max_batch, policy) if max_batch > 1 else None
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
-        self._thread = threading.Thread(target=self._serve, name="graft-decode", daemon=True)
+        self._thread = threading.Thread(target=self._serve_batched if self.batch is not None else self._serve, name="graft-decode",
+                                        daemon=True)
         self._accepting = True
-        self.current: Job | None = None
+        self.running: dict[int, Job] = {}     # jobs being decoded, by id(their decode state) or 0
+        self.peak_batch = 0                    # most jobs decoded together so far
 
     @property
     def alive(self) -> bool:
@@ -140,11 +152,13 @@ class Scheduler:
                            type="rate_limit_error", code="queue_full") from None
 
     def _serve(self) -> None:
+        """One job at a time through ``graft_tk.decode``."""
         while (job := self._queue.get()) is not None:
             if job.cancelled.is_set():
-                job.finish({})
+                self._finish(job, {})
                 continue
-            self.current, job.started = job, time.time()
+            self.running[0], job.started = job, time.time()
+            self.peak_batch = 1
             r = job.request
             try:
                 result = decode(self.target, job.prompt_ids, drafter=self.drafter, method=self.method,
@@ -155,14 +169,69 @@ class Scheduler:
                 log.exception("request %s failed", job.id)
                 job.fail(e)
             finally:
-                self.current = None
+                del self.running[0]
             self.metrics.observe(job)
+
+    def _serve_batched(self) -> None:
+        """Continuous batching: queued jobs join the batch between steps while it has a free row;
+        each step decodes every job in it; finished jobs leave."""
+        batch, stopping = self.batch, False
+        while not stopping or len(batch):
+            while not stopping and not batch.full:
+                try:    # wait for work only when there is nothing to decode
+                    job = self._queue.get(block=not len(batch))
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                elif job.cancelled.is_set():
+                    self._finish(job, {})
+                else:
+                    self._join(job)
+            if not len(batch):
+                continue
+            try:
+                finished = batch.step()
+            except Exception as e:  # noqa: BLE001 - a failed step fails its jobs, never the server
+                log.exception("a batched step failed; failing its %d requests", len(batch))
+                for seq in list(batch.seqs):
+                    batch.cancel(seq)
+                    job = self.running.pop(id(seq))
+                    job.fail(e)
+                    self.metrics.observe(job)
+                continue
+            for seq in finished:
+                self._finish(self.running.pop(id(seq)), self.engine.finish(seq))
+
+    def _join(self, job: Job) -> None:
+        r = job.request
+        generator = None
+        if r.temperature > 0:
+            generator = torch.Generator(device=self.target.device)
+            generator.manual_seed(r.seed if r.seed is not None else torch.seed())
+        job.started = time.time()
+        try:
+            seq = self.batch.add(job.prompt_ids, r.max_tokens, r.temperature, r.top_p, generator, job.on_tokens)
+        except Exception as e:  # noqa: BLE001
+            log.exception("request %s failed", job.id)
+            job.fail(e)
+            self.metrics.observe(job)
+            return
+        if seq.done:
+            self._finish(job, self.engine.finish(seq))
+        else:
+            self.running[id(seq)] = job
+            self.peak_batch = max(self.peak_batch, len(self.running))
+
+    def _finish(self, job: Job, stats: dict) -> None:
+        job.finish(stats)
+        self.metrics.observe(job)
 
     def shutdown(self, grace: float) -> None:
         """Stop accepting; let queued and running jobs finish for ``grace`` seconds, then cancel the rest."""
         self._accepting = False
         deadline = time.monotonic() + grace
-        while (self._queue.qsize() or self.current is not None) and time.monotonic() < deadline:
+        while (self._queue.qsize() or self.running) and time.monotonic() < deadline:
             time.sleep(0.05)
         while True:
             try:
@@ -171,9 +240,8 @@ class Scheduler:
                 break
             if job is not None:
                 job.cancel()
-                job.finish({})
-                self.metrics.observe(job)
-        if self.current is not None:
-            self.current.cancel()
+                self._finish(job, {})
+        for job in list(self.running.values()):
+            job.cancel()
         self._queue.put(None)
         self._thread.join(timeout=60)

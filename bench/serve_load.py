@@ -1,0 +1,158 @@
+"""graft-serve under load: B concurrent clients against a server that batches up to B requests.
+
+    python bench/serve_load.py --model qwen2.5-coder-1.5b --methods ar,graft --batches 1,2,4,8 \\
+        --prompts "humaneval#8" --requests-per-client 2 --max-tokens 48 [--json OUT]
+
+For each B, each method in turn (interleaved, so drift in the machine's speed hits all alike):
+an in-process server (the real app on uvicorn, a free loopback port) with ``max_batch`` = B, and
+B client threads each sending its requests one after the other through the ``openai`` client
+(greedy chat completions), graft with the budget policy by batch size that
+``graft-calibrate --batch B`` profiles give (the pair's profile below them). Reported per (B, method): requests/s, output tokens/s, p50 / p95
+latency, the most requests decoded together, and every answer checked equal to the same prompt's answer under
+``ar`` (greedy decoding is lossless, batched or not). With B = 1 it also times the same prompts
+through ``graft_tk.decode`` directly, so the server's advantage at B = 1 can be set against
+single-request decoding.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+
+import graft_tk
+from graft_tk._fs import atomic_write_text
+from graft_tk.bench import default_drafter, load_drafter
+from graft_tk.calibration.profiles import batch_policy
+from graft_tk.config import USES_DRAFTER
+from graft_tk.decode import encode_prompt, resolve_config
+from graft_tk.prompts import load_prompts
+
+
+def serve(target, drafter, method: str, config, max_batch: int, policy: dict):
+    """Start graft-serve's app in this process; returns (base url, scheduler, stop())."""
+    import uvicorn
+
+    from graft_tk.server.app import create_app
+    from graft_tk.server.metrics import Metrics
+    from graft_tk.server.scheduler import Scheduler
+    scheduler = Scheduler(target, drafter, method, config, max_queue=256, metrics=Metrics(), max_batch=max_batch,
+                          policy=policy)
+    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, "bench"), log_level="warning"))
+    sock = socket.create_server(("127.0.0.1", 0))
+    scheduler.start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+
+    def stop():
+        server.should_exit = True
+        thread.join(timeout=60)
+        scheduler.shutdown(grace=0)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", scheduler, stop
+
+
+def load(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
+    """``clients`` threads, each sending ``per_client`` requests in turn; what came back and when."""
+    import openai
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
+
+    def run_client(c: int) -> list[tuple[int, str, int, float]]:
+        out = []
+        for r in range(per_client):
+            i = (c * per_client + r) % len(prompts)
+            t = time.perf_counter()
+            resp = client.chat.completions.create(model="bench", messages=[{"role": "user", "content": prompts[i]}],
+                                                  temperature=0, max_tokens=max_tokens)
+            out.append((i, resp.choices[0].message.content, resp.usage.completion_tokens, time.perf_counter() - t))
+        return out
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        done = [x for per in pool.map(run_client, range(clients)) for x in per]
+    wall = time.perf_counter() - t0
+    latencies = sorted(x[3] for x in done)
+    tokens = sum(x[2] for x in done)
+    return {"requests": len(done), "seconds": wall, "requests_per_s": len(done) / wall,
+            "output_tokens_per_s": tokens / wall, "output_tokens": tokens,
+            "latency_p50_s": statistics.median(latencies),
+            "latency_p95_s": latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))],
+            "answers": {i: text for i, text, _, _ in done}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--drafter", default=None, help="default: the model's registered drafter")
+    p.add_argument("--methods", default="ar,graft")
+    p.add_argument("--batches", default="1,2,4,8", help="concurrent clients = max batch, each B in turn")
+    p.add_argument("--prompts", default="humaneval#8")
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--json", default=None, metavar="OUT")
+    args = p.parse_args(argv)
+    methods, batches = args.methods.split(","), [int(b) for b in args.batches.split(",")]
+    target = graft_tk.load_model(args.model, dtype=args.dtype)
+    spec = args.drafter or default_drafter(args.model)
+    needs = any(m in USES_DRAFTER for m in methods)
+    drafter = load_drafter(spec, target, args.model, dtype=args.dtype) if needs else None
+    texts = []
+    for part in args.prompts.split(","):
+        name, _, n = part.partition("#")
+        texts += [q.text for q in load_prompts(name)[:int(n) if n else None]]
+    rows, reference = [], {}
+    for B in batches:
+        for method in methods:
+            d = drafter if method in USES_DRAFTER else None
+            config, source = resolve_config(target, d, method, None, None)
+            policy = batch_policy(target, d, B) if method != "ar" else {}
+            if policy:
+                source += "; by batch size " + ", ".join(f"{b}: N={c.budget} tau={c.tau:.3g}" for b, c in policy.items())
+            url, scheduler, stop = serve(target, d, method, config, B, policy)
+            try:
+                r = load(url, texts, B, args.requests_per_client, args.max_tokens)
+            finally:
+                stop()
+            answers = r.pop("answers")
+            if method == methods[0]:
+                reference.update({i: a for i, a in answers.items() if i not in reference})
+            r["same_as_reference"] = all(reference.get(i, a) == a for i, a in answers.items())
+            r.update(batch=B, method=method, config=source, peak_batch=scheduler.peak_batch)
+            rows.append(r)
+            print(f"B={B} {method:8s} {r['requests_per_s']:.3f} req/s {r['output_tokens_per_s']:.2f} tok/s "
+                  f"p50 {r['latency_p50_s']:.1f} s p95 {r['latency_p95_s']:.1f} s peak batch {r['peak_batch']} "
+                  f"same {r['same_as_reference']}", file=sys.stderr, flush=True)
+    single = {}
+    if 1 in batches:   # the same prompts through graft_tk.decode, one at a time, methods interleaved
+        per = {m: [] for m in methods}
+        for text in texts[:args.requests_per_client]:
+            ids = encode_prompt(target, text, chat=True)
+            for method in methods:
+                d = drafter if method in USES_DRAFTER else None
+                per[method].append(graft_tk.decode(target, ids, drafter=d, method=method,
+                                                   max_new_tokens=args.max_tokens).stats["tokens_per_s"])
+        single = {m: statistics.median(v) for m, v in per.items()}
+    lines = ["| B | method | requests/s | output tok/s | vs ar | p50 latency s | p95 latency s | peak batch | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ar = next(x for x in rows if x["batch"] == r["batch"] and x["method"] == methods[0])
+        lines.append(f"| {r['batch']} | {r['method']} | {r['requests_per_s']:.3f} | {r['output_tokens_per_s']:.2f} | "
+                     f"{r['output_tokens_per_s'] / ar['output_tokens_per_s']:.2f}x | {r['latency_p50_s']:.1f} | "
+                     f"{r['latency_p95_s']:.1f} | {r['peak_batch']} | {'yes' if r['same_as_reference'] else 'NO'} |")
+    if single:
+        lines.append("")
+        lines.append("single-request decode (graft_tk.decode), same prompts: " + ", ".join(
+            f"{m} {v:.2f} tok/s ({v / single[methods[0]]:.2f}x)" for m, v in single.items()))
+    print("\n".join(lines))
+    if args.json:
+        atomic_write_text(args.json, json.dumps({"args": vars(args), "rows": rows, "single": single}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Batched speculative decoding: several requests, one target forward per step.
+
+A ``Batch`` holds up to ``max_batch`` requests, request i in batch row i of the target's KV cache
+(and of a drafter model's). Each step runs the single-request step's parts (``Engine.propose``,
+``Engine.settle``) per request and verifies every request's tree in ONE target forward:
+
+    propose   per request, on its own cache row: draft (its drafter state), retrieve from the
+              shared adjacency matrix M, prompt lookup in its context -> a tree of N nodes (padded)
+    verify    tokens [B, N], positions [B, N] (its prefix length + depth), the trees' KV written
+              to the last N slots of every row, each row's mask over its own prefix and its tree
+    settle    per request: accept, update the shared M and estimates, stream, move the accepted
+              path's KV from the tree slots to the end of its prefix
+
+Requests join between steps (``add``: their prefill runs on their row alone) and leave when they
+finish: the last row moves into the freed one, so the active requests always fill rows [0, B)
+and the verify runs on exactly B rows (continuous batching). The adjacency matrix and the
+acceptance estimates are the Engine's, shared by every request and kept when they leave.
+
+Every request's greedy output is the one it gets decoded alone (its tree, its prefix and its mask
+are its own; rows of a batched matmul do not mix); sampling stays lossless per request, each
+with its own generator. The budget N and threshold tau follow the batch size (``policy``, from
+``graft-calibrate --batch B``). Not batched (yet): EAGLE-3 heads, compiled forwards, the per-step
+policy of a cost model (a batch verifies every tree at its full budget N).
+"""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import ExitStack, contextmanager
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from .config import METHODS, PRUNES, USES_DRAFTER, GraftConfig
+from .drafting import ModelDrafter
+from .engine import DecodeState, Engine
+from .errors import InputError
+
+
+class Batch:
+    """Up to ``max_batch`` requests of one method decoding together with ``engine``'s target,
+    drafter, config, adjacency matrix and estimates."""
+
+    def __init__(self, engine: Engine, method: str, max_batch: int, policy: Mapping[int, GraftConfig] | None = None):
+        if method not in METHODS:
+            raise InputError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise InputError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        if engine.compile:
+            raise InputError("a batch runs its forwards eagerly; build the Engine with compile=False")
+        drafts = method in USES_DRAFTER
+        if drafts and engine.drafting is None:
+            raise InputError(f"method {method!r} needs a drafter: build the Engine with drafter=load_model(...)")
+        if drafts and not isinstance(engine.drafting, ModelDrafter):
+            raise InputError(f"batched {method!r} drafts with a drafter model (load_model); EAGLE-3 heads decode "
+                             "one request at a time for now (max_batch=1)")
+        self.engine, self.method, self.max_batch = engine, method, max_batch
+        # The budget policy by batch size (graft-calibrate --batch B): batch size -> the config whose
+        # N and tau a step of that many requests uses (the nearest calibrated size at or below it;
+        # the engine's config below them all). A verify costs about B x N rows, so N falls as B grows.
+        self.policy = dict(sorted((policy or {}).items()))
+        if any(not isinstance(b, int) or b < 1 for b in self.policy):
+            raise InputError(f"policy keys must be batch sizes >= 1, got {sorted(self.policy)}")
+        budgets = [engine.config.budget] + [c.budget for c in self.policy.values()]
+        self.max_budget = 1 if method == "ar" else max(budgets)
+        self.seqs: list[DecodeState] = []    # request i decodes in cache row i
+        # One drafter state per row, each over its row of the drafter model's cache.
+        self._free_drafters = [ModelDrafter(engine.drafter) for _ in range(max_batch)] if drafts else []
+        self._nets = [engine.target.net] + ([engine.drafter.net] if drafts else [])
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def full(self) -> bool:
+        return len(self.seqs) >= self.max_batch
+
+    @torch.inference_mode()
+    def add(self, ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+            generator: torch.Generator | None = None, on_tokens: Callable | None = None) -> DecodeState:
+        """Prefill a request into the next free row and return its state; it decodes from the next
+        ``step`` on (or is done already: its first token ended it, and it takes no row)."""
+        if self.full:
+            raise InputError(f"the batch is full ({self.max_batch} requests); step until one finishes")
+        cfg = self.engine.config
+        # Slots a row needs: its tokens and a drafter's scratch; the trees' N slots after them.
+        self._reserve(len(ids) + max_new_tokens + cfg.top_k * cfg.max_depth + 1 + self.max_budget)
+        row = len(self.seqs)
+        drafter = self._free_drafters.pop() if self._free_drafters else None
+        with self._rows(row):
+            seq = self.engine.begin(ids, self.method, max_new_tokens, temperature, top_p, generator, on_tokens,
+                                    drafter=drafter, batched=True)
+        if seq.done:
+            self._release(seq)
+        else:
+            self.seqs.append(seq)
+        return seq
+
+    @torch.inference_mode()
+    def step(self) -> list[DecodeState]:
+        """One decode step for every request; returns those that finished (their rows freed)."""
+        engine, tnet = self.engine, self.engine.target.net
+        N, log_tau = self.plan(len(self.seqs))
+        proposals = []
+        for row, seq in enumerate(self.seqs):
+            seq.budget, seq.log_tau = N, log_tau
+            with self._rows(row):
+                proposals.append(engine.propose(seq))
+        # 7. One target forward verifies every tree: tree slots [S - N, S) of each row, each row's
+        # mask its prefix [0, target_len) and its tree's ancestors.
+        t = time.perf_counter()
+        B, S, device = len(self.seqs), tnet.cache_len, engine.target.device
+        tree_start = S - N
+        prefix = torch.tensor([seq.target_len for seq in self.seqs], device=device)
+        trees = [p.tree for p in proposals]
+        visible = torch.cat([(torch.arange(tree_start, device=device) < prefix[:, None])[:, None].expand(B, N, -1),
+                             torch.stack([tree.attn_mask() for tree in trees])], dim=-1)
+        tokens = torch.stack([tree.tokens.clamp(min=0) for tree in trees])   # padding runs as token 0, masked
+        positions = torch.stack([tree.positions(seq.target_len) for tree, seq in zip(trees, self.seqs)])
+        with tnet.cache_rows(0, B):
+            logits = tnet.forward_static(tokens, positions, torch.arange(tree_start, S, device=device), visible)
+        verify_seconds = time.perf_counter() - t
+        for row, (seq, proposal) in enumerate(zip(self.seqs, proposals)):
+            seq.stats.seconds["verify"] += verify_seconds
+            with self._rows(row):
+                engine.settle(seq, proposal, logits[row], None, tnet.kv, tree_start)
+        finished = [seq for seq in self.seqs if seq.done]
+        for seq in finished:
+            self._remove(seq)
+        return finished
+
+    def plan(self, size: int) -> tuple[int, float]:
+        """(N, log tau) of a step of ``size`` requests, from the policy."""
+        config = self.engine.config
+        for b, c in self.policy.items():
+            if b <= size:
+                config = c
+        if self.method == "ar":
+            return 1, -math.inf
+        return config.budget, math.log(config.tau) if self.method in PRUNES else -math.inf
+
+    def cancel(self, seq: DecodeState) -> None:
+        """Take a request out of the batch before it finishes (a client that went away)."""
+        if seq in self.seqs:
+            seq.done = True
+            self._remove(seq)
+
+    # --- rows
+    @contextmanager
+    def _rows(self, row: int):
+        """The target's and a drafter model's forwards see only cache row ``row``."""
+        with ExitStack() as stack:
+            for net in self._nets:
+                stack.enter_context(net.cache_rows(row, row + 1))
+            yield
+
+    def _reserve(self, slots: int) -> None:
+        """Every cache with ``max_batch`` rows of at least ``slots`` slots; what rows hold is kept."""
+        for net in self._nets:
+            net.setup_cache(slots, batch_size=self.max_batch)
+
+    def _remove(self, seq: DecodeState) -> None:
+        """Free ``seq``'s row: the last row's request moves into it (its KV with it)."""
+        row, last = self.seqs.index(seq), len(self.seqs) - 1
+        if row != last:
+            moved = self.seqs[last]
+            for net in self._nets:
+                net.kv[:, :, row] = net.kv[:, :, last]
+            self.seqs[row] = moved
+        self.seqs.pop()
+        self._release(seq)
+
+    def _release(self, seq: DecodeState) -> None:
+        if isinstance(seq.drafter, ModelDrafter):
+            self._free_drafters.append(seq.drafter)
+
+
+def decode_batch(engine: Engine, prompts: Sequence[list[int]], method: str, max_batch: int, max_new_tokens: int,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 policy: Mapping[int, GraftConfig] | None = None) -> list[tuple[list[int], dict]]:
+    """Decode token-id ``prompts`` with continuous batching, at most ``max_batch`` at a time (a
+    prompt joins as soon as a row is free): [(new tokens, stats)] in the prompts' order."""
+    batch = Batch(engine, method, max_batch, policy)
+    results: dict[int, tuple[list[int], dict]] = {}
+    index: dict[int, int] = {}                   # id(state) -> prompt index
+    pending = list(enumerate(prompts))
+    while pending or len(batch):
+        while pending and not batch.full:
+            i, ids = pending.pop(0)
+            generator = None
+            if temperature > 0:
+                generator = torch.Generator(device=engine.target.device)
+                generator.manual_seed((seed if seed is not None else torch.seed()) + i)
+            seq = batch.add(list(ids), max_new_tokens, temperature, top_p, generator)
+            if seq.done:
+                results[i] = (seq.out, engine.finish(seq))
+            else:
+                index[id(seq)] = i
+        for seq in batch.step():
+            results[index.pop(id(seq))] = (seq.out, engine.finish(seq))
+    return [results[i] for i in range(len(prompts))]

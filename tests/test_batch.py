@@ -1,0 +1,111 @@
+"""Batched speculative decoding (graft_tk.batch): several requests verified in one target forward.
+
+Greedy: every request's tokens equal decoding it alone with `ar` in fp32, on real prompts with
+real SmolLM2 weights, while requests join and leave between steps. Sampling: each request's tokens
+follow the target's exact joint distribution (chi-square on a tiny random model, as for one request).
+"""
+import pytest
+import torch
+
+import graft_tk
+from graft_tk.batch import Batch, decode_batch
+from graft_tk.decode import encode_prompt
+from graft_tk.engine import Engine
+from graft_tk.errors import InputError
+from graft_tk.prompts import load_prompts
+
+from .chi2 import chi2, chi2_critical
+from .test_engine import N_SAMPLES, SAMPLING_CONFIG, tiny_pair  # noqa: F401 - tiny_pair is a fixture
+
+
+@pytest.fixture(scope="module")
+def self_drafter():
+    return graft_tk.load_model("smollm2-135m", dtype="fp32", num_layers=10, progress=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    texts = [p.text for p in load_prompts("humaneval")[:2]] + ["Name three colours.", "Say hello in French."]
+    return [encode_prompt(smollm2, text, chat=True) for text in texts]
+
+
+@pytest.fixture(scope="module")
+def ar_alone(smollm2, prompts):
+    return [graft_tk.decode(smollm2, ids, max_new_tokens=24).tokens for ids in prompts]
+
+
+@pytest.mark.parametrize("method", ["ar", "graft", "graft+pld", "retrieval+pld"])
+def test_batched_greedy_equals_ar_alone(smollm2, self_drafter, prompts, ar_alone, method):
+    """Four real prompts, two rows: each joins when a row frees, each equals its own `ar` decode."""
+    engine = Engine(smollm2, self_drafter)
+    got = decode_batch(engine, prompts, method, max_batch=2, max_new_tokens=24)
+    assert [tokens for tokens, _ in got] == ar_alone
+    for (tokens, stats), ref in zip(got, ar_alone):
+        assert stats["tokens"] == len(ref) and stats["steps"] >= 1
+    if method != "ar":   # the shared M learnt from every request
+        assert int((engine.adjacency >= 0).any(-1).sum()) > 0
+        assert sum(stats["mat"] for _, stats in got) / len(got) > 1.0
+
+
+def test_requests_join_and_leave_between_steps(smollm2, self_drafter, prompts, ar_alone):
+    """A short request leaves row 0; the long one moves into it with its KV; a third joins row 1."""
+    batch = Batch(Engine(smollm2, self_drafter), "graft", max_batch=2)
+    with torch.inference_mode():
+        short = batch.add(prompts[0], max_new_tokens=3)
+        long = batch.add(prompts[1], max_new_tokens=24)
+        assert batch.seqs == [short, long] and batch.full
+        with pytest.raises(InputError, match="the batch is full"):
+            batch.add(prompts[2], max_new_tokens=24)
+        finished = []
+        while short not in finished:
+            finished += batch.step()
+        assert batch.seqs == [long]           # moved from row 1 to row 0
+        third = batch.add(prompts[2], max_new_tokens=24)
+        assert batch.seqs == [long, third]
+        while len(batch):
+            finished += batch.step()
+    assert short.out == ar_alone[0][:3]
+    assert long.out == ar_alone[1]
+    assert third.out == ar_alone[2]
+
+
+def test_batched_sampling_matches_the_exact_joint_distribution(tiny_pair):  # noqa: F811 - the fixture
+    """Five sampled tokens per request, 800 requests four at a time sharing M and the estimates:
+    the counts follow the target's exact joint distribution at temperature 0.7, top_p 0.8."""
+    target, drafter, exact = tiny_pair
+    V, n = target.config.vocab_size, 5
+    engine = Engine(target, drafter, SAMPLING_CONFIG)
+    results = decode_batch(engine, [[1, 3, 0, 1]] * N_SAMPLES, "graft+pld", max_batch=4, max_new_tokens=n,
+                           temperature=0.7, top_p=0.8, seed=0)
+    counts = torch.zeros(V ** n)
+    for tokens, _ in results:
+        counts[sum(t * V ** (n - 1 - j) for j, t in enumerate(tokens))] += 1
+    assert sum(stats["steps"] for _, stats in results) / N_SAMPLES >= 2
+    stat, df = chi2(counts, exact)
+    assert stat < chi2_critical(df), (stat, df)
+
+
+def test_bad_batches_are_clear_errors(smollm2, self_drafter):
+    engine = Engine(smollm2, self_drafter)
+    with pytest.raises(InputError, match="max_batch must be an int >= 1"):
+        Batch(engine, "graft", 0)
+    with pytest.raises(InputError, match="unknown method"):
+        Batch(engine, "nope", 2)
+    with pytest.raises(InputError, match="needs a drafter"):
+        Batch(Engine(smollm2), "graft", 2)
+
+
+def test_the_budget_follows_the_batch_size(smollm2, self_drafter, prompts, ar_alone):
+    """Policy {1: N = 12, 2: N = 4}: a step of two requests verifies 4 nodes each, a step of one 12."""
+    from graft_tk.config import GraftConfig
+    policy = {1: GraftConfig(budget=12), 2: GraftConfig(budget=4, tau=0.2)}
+    batch = Batch(Engine(smollm2, self_drafter), "graft", max_batch=2, policy=policy)
+    assert batch.plan(1)[0] == 12 and batch.plan(2)[0] == 4
+    a = batch.add(prompts[0], max_new_tokens=6)
+    b = batch.add(prompts[1], max_new_tokens=24)
+    while len(batch):
+        batch.step()
+    assert a.out == ar_alone[0][:6] and b.out == ar_alone[1]
+    nodes = b.stats.per_step["nodes"]
+    shared = len(a.stats.per_step["nodes"])        # the steps a and b were verified together
+    assert set(nodes[:shared]) == {4} and set(nodes[shared:]) == {12}
