@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             config, source = resolve_config(target, d, method, None, None)
             policy = batch_policy(target, d, B) if method != "ar" else {}
             if policy:
-                source += "; by batch size " + ", ".join(f"{b}: N={c.budget} tau={c.tau:.3g}" for b, c in policy.items())
+                source += "; by batch size " + ", ".join(f"{b}: N={c.budget} tau={c.tau:.3g} D={c.max_depth}"
+                                                         for b, c in policy.items())
             url, scheduler, stop = serve(target, d, method, config, B, policy)
             try:
                 r = load(url, texts, B, args.requests_per_client, args.max_tokens)

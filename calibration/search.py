@@ -60,11 +60,13 @@ def fit_template(levels: tuple[int, ...], k: int) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- search space
 def suggest(trial: optuna.Trial, methods: tuple[str, ...], base: GraftConfig | None = None) -> tuple[str, GraftConfig]:
     """The search space: method (when several), tau, N, K, D, retrieval k and template; with a
-    ``base`` config (a batch size's calibration), tau and N only, the rest kept from it."""
+    ``base`` config (a batch size's calibration), tau, N and D only (D up to the base's), the rest
+    kept from it."""
     method = trial.suggest_categorical("method", list(methods)) if len(methods) > 1 else methods[0]
     if base is not None:
         return method, dataclasses.replace(base, cost=None, tau=trial.suggest_float("tau", *TAU_RANGE, log=True),
-                                           budget=trial.suggest_int("budget", 2, 32, log=True))
+                                           budget=trial.suggest_int("budget", 2, 32, log=True),
+                                           max_depth=trial.suggest_int("max_depth", 1, base.max_depth))
     k = trial.suggest_int("retrieval_k", 2, 8)
     template = fit_template(TEMPLATES[trial.suggest_categorical("template", list(TEMPLATES))], k)
     config = GraftConfig(
@@ -78,10 +80,10 @@ def suggest(trial: optuna.Trial, methods: tuple[str, ...], base: GraftConfig | N
 
 def params_of(method: str, config: GraftConfig, methods: tuple[str, ...], batched: bool = False) -> dict:
     """Trial parameters that reproduce ``config`` (to enqueue the default or warm-start trial);
-    ``batched``: of ``suggest``'s space with a base config (tau and N)."""
+    ``batched``: of ``suggest``'s space with a base config (tau, N and D)."""
     template = next((n for n, lv in TEMPLATES.items() if fit_template(lv, config.retrieval_k) == config.template),
                     "tr80")
-    params = ({"tau": config.tau, "budget": config.budget} if batched else
+    params = ({"tau": config.tau, "budget": config.budget, "max_depth": config.max_depth} if batched else
               {"retrieval_k": config.retrieval_k, "template": template, "tau": config.tau,
                "budget": config.budget, "top_k": config.top_k, "max_depth": config.max_depth})
     if len(methods) > 1:
@@ -113,7 +115,7 @@ class Task:
     top_p: float = 1.0
     compile: bool = False           # compiled step forwards (each new budget N compiles a verify graph)
     # > 1: the prompts decode this many at a time (graft_tk.batch), scored by the batch's output
-    # tokens/s; only tau and N are searched, the rest kept from ``base`` (the pair's profile)
+    # tokens/s; only tau, N and D are searched, the rest kept from ``base`` (the pair's profile)
     batch: int = 1
     base: GraftConfig | None = None
 

@@ -18,23 +18,27 @@ acceptance estimates are the Engine's, shared by every request and kept when the
 
 Every request's greedy output is the one it gets decoded alone (its tree, its prefix and its mask
 are its own; rows of a batched matmul do not mix); sampling stays lossless per request, each
-with its own generator. The budget N and threshold tau follow the batch size (``policy``, from
+with its own generator. The budget N, threshold tau and depth D follow the batch size (``policy``, from
 ``graft-calibrate --batch B``). Not batched (yet): EAGLE-3 heads, compiled forwards, the per-step
 policy of a cost model (a batch verifies every tree at its full budget N).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from contextlib import ExitStack, contextmanager
 from typing import Callable, Mapping, Sequence
 
 import torch
+from torch import Tensor
 
+from .backend import HOST_READS
 from .config import METHODS, PRUNES, USES_DRAFTER, GraftConfig
-from .drafting import ModelDrafter
+from .drafting import DraftPool, Expansion, ModelDrafter
 from .engine import DecodeState, Engine
 from .errors import InputError
+from .models.transformer import cache_visibility
 
 
 class Batch:
@@ -56,13 +60,14 @@ class Batch:
                              "one request at a time for now (max_batch=1)")
         self.engine, self.method, self.max_batch = engine, method, max_batch
         # The budget policy by batch size (graft-calibrate --batch B): batch size -> the config whose
-        # N and tau a step of that many requests uses (the nearest calibrated size at or below it;
+        # N, tau and D a step of that many requests uses (the nearest calibrated size at or below it;
         # the engine's config below them all). A verify costs about B x N rows, so N falls as B grows.
         self.policy = dict(sorted((policy or {}).items()))
         if any(not isinstance(b, int) or b < 1 for b in self.policy):
             raise InputError(f"policy keys must be batch sizes >= 1, got {sorted(self.policy)}")
-        budgets = [engine.config.budget] + [c.budget for c in self.policy.values()]
-        self.max_budget = 1 if method == "ar" else max(budgets)
+        configs = [engine.config, *self.policy.values()]
+        self.max_budget = 1 if method == "ar" else max(c.budget for c in configs)
+        self.max_depth = max(c.max_depth for c in configs)
         self.seqs: list[DecodeState] = []    # request i decodes in cache row i
         # One drafter state per row, each over its row of the drafter model's cache.
         self._free_drafters = [ModelDrafter(engine.drafter) for _ in range(max_batch)] if drafts else []
@@ -84,7 +89,7 @@ class Batch:
             raise InputError(f"the batch is full ({self.max_batch} requests); step until one finishes")
         cfg = self.engine.config
         # Slots a row needs: its tokens and a drafter's scratch; the trees' N slots after them.
-        self._reserve(len(ids) + max_new_tokens + cfg.top_k * cfg.max_depth + 1 + self.max_budget)
+        self._reserve(len(ids) + max_new_tokens + cfg.top_k * self.max_depth + 1 + self.max_budget)
         row = len(self.seqs)
         drafter = self._free_drafters.pop() if self._free_drafters else None
         with self._rows(row):
@@ -100,16 +105,23 @@ class Batch:
     def step(self) -> list[DecodeState]:
         """One decode step for every request; returns those that finished (their rows freed)."""
         engine, tnet = self.engine, self.engine.target.net
-        N, log_tau = self.plan(len(self.seqs))
+        config = self.plan(len(self.seqs))
+        for seq in self.seqs:
+            seq.budget = 1 if self.method == "ar" else config.budget
+            seq.log_tau = math.log(config.tau) if self.method in PRUNES else -math.inf
+        # 1-2. Every request's drafter tree, one drafter forward per depth for all of them.
+        t = time.perf_counter()
+        pools = self._draft(config.max_depth) if self.method in USES_DRAFTER else [None] * len(self.seqs)
+        for seq in self.seqs:
+            seq.stats.seconds["draft"] += time.perf_counter() - t
         proposals = []
-        for row, seq in enumerate(self.seqs):
-            seq.budget, seq.log_tau = N, log_tau
+        for row, (seq, pool) in enumerate(zip(self.seqs, pools)):
             with self._rows(row):
-                proposals.append(engine.propose(seq))
+                proposals.append(engine.propose(seq, pool))
         # 7. One target forward verifies every tree: tree slots [S - N, S) of each row, each row's
         # mask its prefix [0, target_len) and its tree's ancestors.
         t = time.perf_counter()
-        B, S, device = len(self.seqs), tnet.cache_len, engine.target.device
+        B, N, S, device = len(self.seqs), self.seqs[0].budget, tnet.cache_len, engine.target.device
         tree_start = S - N
         prefix = torch.tensor([seq.target_len for seq in self.seqs], device=device)
         trees = [p.tree for p in proposals]
@@ -129,15 +141,75 @@ class Batch:
             self._remove(seq)
         return finished
 
-    def plan(self, size: int) -> tuple[int, float]:
-        """(N, log tau) of a step of ``size`` requests, from the policy."""
+    def _draft(self, max_depth: int) -> list[DraftPool]:
+        """Steps 1-2 for every request with the drafter model's forwards batched: its committed
+        tokens not yet in its cache row (the root last; rows left-padded to the longest), then each
+        depth's frontier of every request still expanding (padded to the widest), one forward each.
+        Padding writes its KV to the cache's last slot (never used otherwise) and sees slot 0 only.
+        Each request's tree grows as ``graft_tk.drafting.expand`` grows it alone, to ``max_depth``."""
+        engine, ops, seqs = self.engine, self.engine.ops, self.seqs
+        cfg = dataclasses.replace(engine.config, max_depth=max_depth)
+        net, device, B = engine.drafter.net, engine.target.device, len(seqs)
+        S = net.cache_len
+
+        def forward(rows: list[tuple[Tensor, Tensor, Tensor, Tensor]], last_only: bool) -> Tensor:
+            """rows[b] = (tokens [T_b], positions, slots, visible [T_b, S]), right-aligned into [B, T]."""
+            T = max(r[0].shape[0] for r in rows)
+            tokens = torch.zeros(B, T, dtype=torch.long, device=device)
+            positions = torch.zeros(B, T, dtype=torch.long, device=device)
+            slots = torch.full((B, T), S - 1, dtype=torch.long, device=device)
+            visible = torch.zeros(B, T, S, dtype=torch.bool, device=device)
+            visible[:, :, 0] = True
+            for b, (tok, pos, slot, vis) in enumerate(rows):
+                n = tok.shape[0]
+                tokens[b, T - n:], positions[b, T - n:], slots[b, T - n:], visible[b, T - n:] = tok, pos, slot, vis
+            with net.cache_rows(0, B):
+                return net.forward_static(tokens, positions, slots, visible, last_only=last_only)
+
+        # The committed tokens each row has not run (the root last): its root's next-token logits.
+        rows = []
+        for seq in seqs:
+            kv_len, P = seq.drafter.kv_len, seq.length - seq.drafter.kv_len
+            span = torch.arange(kv_len, seq.length, device=device)
+            block = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+            rows.append((seq.context[kv_len:seq.length], span, span, cache_visibility(S, kv_len, block)))
+            seq.drafter.kv_len = seq.length
+        logits = list(forward(rows, last_only=True))                          # B x [1, V]
+        trees = [Expansion(device, cfg, seq.length - 1, r[0].shape[0]) for seq, r in zip(seqs, rows)]
+        expanding = list(range(B))
+        for depth in range(1, cfg.max_depth + 1):
+            stops = [trees[b].grow(logits[b], seqs[b].log_tau, ops, None) for b in expanding]
+            if depth == cfg.max_depth:
+                break
+            # One host read per depth for the whole batch: which requests expand further.
+            pruned = [seqs[b].log_tau > -math.inf for b in expanding]
+            flags = HOST_READS.read(torch.stack(stops).bool()) if any(pruned) else [False] * len(expanding)
+            expanding = [b for b, p, f in zip(expanding, pruned, flags) if not (p and f)]
+            if not expanding:
+                break
+            rows = [None] * B
+            widths = {}
+            for b in expanding:
+                tokens, _, positions, start, block = trees[b].next_forward()
+                F = widths[b] = tokens.shape[0]
+                root_slot = trees[b].root_slot
+                rows[b] = (tokens, positions, start + torch.arange(F, device=device),
+                           cache_visibility(S, root_slot + 1, block))
+            empty = torch.zeros(0, dtype=torch.long, device=device)
+            rows = [r if r is not None else (empty, empty, empty, torch.zeros(0, S, dtype=torch.bool, device=device))
+                    for r in rows]
+            out = forward(rows, last_only=False)
+            T = out.shape[1]
+            logits = [out[b, T - widths[b]:] if b in widths else None for b in range(B)]
+        return [tree.pool() for tree in trees]
+
+    def plan(self, size: int) -> GraftConfig:
+        """The config whose N, tau and D a step of ``size`` requests uses, from the policy."""
         config = self.engine.config
         for b, c in self.policy.items():
             if b <= size:
                 config = c
-        if self.method == "ar":
-            return 1, -math.inf
-        return config.budget, math.log(config.tau) if self.method in PRUNES else -math.inf
+        return config
 
     def cancel(self, seq: DecodeState) -> None:
         """Take a request out of the batch before it finishes (a client that went away)."""

@@ -103,48 +103,74 @@ def expand(logits: Tensor, first_width: int, forward: FrontierForward, root_slot
     Expansion stops early once every new child scores below ``log_tau`` (scores only fall with
     depth, so nothing deeper could pass); ``log_tau = -inf`` drafts the full depth D (``tree``).
     """
-    device, K, D = logits.device, cfg.top_k, cfg.max_depth
-    widths = [first_width]
-    pool_max = K + (D - 1) * K * K
-    tokens = torch.zeros(pool_max, dtype=torch.long, device=device)
-    parents = torch.full((pool_max,), -1, dtype=torch.long, device=device)
-    scores = torch.full((pool_max,), -math.inf, device=device)
-    depths = torch.zeros(pool_max, dtype=torch.long, device=device)
-    slots = torch.full((pool_max,), -1, dtype=torch.long, device=device)
-    # anc[s]: which scratch slots are ancestors-or-self of the node whose KV is in scratch slot s.
-    n_scratch_max = K * (D - 1)
-    anc = torch.zeros(n_scratch_max, n_scratch_max, dtype=torch.bool, device=device)
-    frontier = None                       # pool ids of the nodes whose logits we hold; None = root
-    frontier_scores = torch.zeros(1, device=device)
-    n = n_scratch = 0
-    for depth in range(1, D + 1):
-        child_tok, child_par, child_score, nxt, stop = ops.draft_expand(frontier_scores, logits, K, log_tau)
-        if vocab_map is not None:
-            child_tok = vocab_map[child_tok]
-        m = child_tok.shape[0]
-        tokens[n:n + m], scores[n:n + m], depths[n:n + m] = child_tok, child_score, depth
-        if frontier is not None:
-            parents[n:n + m] = frontier[child_par]
-        frontier, frontier_scores = n + nxt, child_score[nxt]
-        n += m
+    tree = Expansion(logits.device, cfg, root_slot, first_width)
+    for depth in range(1, cfg.max_depth + 1):
+        stop = tree.grow(logits, log_tau, ops, vocab_map)
         # One host sync per depth: stopping decides whether another drafter forward is launched.
-        if depth == D or (log_tau > -math.inf and HOST_READS.read(stop)):
+        if depth == cfg.max_depth or (log_tau > -math.inf and HOST_READS.read(stop)):
             break
         # Run the new frontier (F <= K nodes) through the drafter in ONE forward with a tree mask
         # over the scratch slots; every committed slot and the root are visible to all of them.
-        F = frontier.shape[0]
-        new = torch.arange(n_scratch, n_scratch + F, device=device)
-        slots[frontier] = root_slot + 1 + new
-        p = parents[frontier]
-        rows = anc[(slots[p.clamp(min=0)] - root_slot - 1).clamp(min=0)] & (p >= 0)[:, None]
+        tokens, parent_rows, positions, start, block = tree.next_forward()
+        logits = forward(tokens, parent_rows, positions, start, block, root_slot + 1)
+    return tree.pool()
+
+
+class Expansion:
+    """One request's draft tree under its root, grown a depth at a time (``expand``; a batch of
+    requests grows one each, with one drafter forward per depth for all of them)."""
+
+    def __init__(self, device, cfg: GraftConfig, root_slot: int, first_width: int):
+        K, D = cfg.top_k, cfg.max_depth
+        self.K, self.root_slot, self.widths = K, root_slot, [first_width]
+        pool_max = K + (D - 1) * K * K
+        self.tokens = torch.zeros(pool_max, dtype=torch.long, device=device)
+        self.parents = torch.full((pool_max,), -1, dtype=torch.long, device=device)
+        self.scores = torch.full((pool_max,), -math.inf, device=device)
+        self.depths = torch.zeros(pool_max, dtype=torch.long, device=device)
+        self.slots = torch.full((pool_max,), -1, dtype=torch.long, device=device)
+        # anc[s]: which scratch slots are ancestors-or-self of the node whose KV is in scratch slot s.
+        n_scratch_max = K * (D - 1)
+        self.anc = torch.zeros(n_scratch_max, n_scratch_max, dtype=torch.bool, device=device)
+        self.frontier = None                  # pool ids of the nodes whose logits we hold; None = root
+        self.frontier_scores = torch.zeros(1, device=device)
+        self.child_par = None
+        self.n = self.n_scratch = self.depth = 0
+
+    def grow(self, logits: Tensor, log_tau: float, ops: Ops, vocab_map: Tensor | None) -> Tensor:
+        """Add the next depth's children from the frontier's ``logits`` [F, V]; returns the stop flag
+        (every new child below ``log_tau``), on the device."""
+        self.depth += 1
+        child_tok, child_par, child_score, nxt, stop = ops.draft_expand(self.frontier_scores, logits, self.K, log_tau)
+        if vocab_map is not None:
+            child_tok = vocab_map[child_tok]
+        n, m = self.n, child_tok.shape[0]
+        self.tokens[n:n + m], self.scores[n:n + m], self.depths[n:n + m] = child_tok, child_score, self.depth
+        if self.frontier is not None:
+            self.parents[n:n + m] = self.frontier[child_par]
+        self.frontier, self.frontier_scores, self.child_par = n + nxt, child_score[nxt], child_par[nxt]
+        self.n += m
+        return stop
+
+    def next_forward(self) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
+        """The new frontier's forward: (tokens [F], each one's parent's row in the last forward,
+        positions [F], its first scratch slot, its visibility [F, n_scratch + F] over the scratch
+        slots from ``root_slot + 1``); the scratch slots are taken."""
+        F, device = self.frontier.shape[0], self.tokens.device
+        new = torch.arange(self.n_scratch, self.n_scratch + F, device=device)
+        self.slots[self.frontier] = self.root_slot + 1 + new
+        p = self.parents[self.frontier]
+        rows = self.anc[(self.slots[p.clamp(min=0)] - self.root_slot - 1).clamp(min=0)] & (p >= 0)[:, None]
         rows[torch.arange(F, device=device), new] = True
-        anc[new] = rows
-        positions = torch.full((F,), root_slot + depth, dtype=torch.long, device=device)
-        logits = forward(tokens[frontier], child_par[nxt], positions, root_slot + 1 + n_scratch,
-                         anc[new, :n_scratch + F], root_slot + 1)
-        widths.append(F)
-        n_scratch += F
-    return DraftPool(tokens, parents, scores, depths, n, slots, tuple(widths))
+        self.anc[new] = rows
+        positions = torch.full((F,), self.root_slot + self.depth, dtype=torch.long, device=device)
+        start = self.root_slot + 1 + self.n_scratch
+        self.n_scratch += F
+        self.widths.append(F)
+        return self.tokens[self.frontier], self.child_par, positions, start, self.anc[new, :self.n_scratch]
+
+    def pool(self) -> DraftPool:
+        return DraftPool(self.tokens, self.parents, self.scores, self.depths, self.n, self.slots, tuple(self.widths))
 
 
 class ModelDrafter:

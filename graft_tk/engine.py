@@ -165,14 +165,18 @@ class Engine:
         seq.draft_rates = HOST_READS.read(self.estimates.draft_rates()) if policy is not None else None
         return seq
 
-    def propose(self, seq: "DecodeState") -> "Proposal":
+    def propose(self, seq: "DecodeState", pool: DraftPool | None = None) -> "Proposal":
         """Steps 1-6 for one request: its drafter's pruned tree, the prompt-lookup chain and
-        root-parallel retrieval grafted into the freed budget, as one tree of ``seq.budget`` nodes."""
+        root-parallel retrieval grafted into the freed budget, as one tree of ``seq.budget`` nodes.
+        ``pool``: the drafter's candidates when they were drafted already (a batch drafts for all
+        its requests at once)."""
         cfg, ops, estimates, policy, device = self.config, self.ops, self.estimates, seq.policy, self.target.device
         launches_before, reads_before = LAUNCHES.snapshot(), HOST_READS.count
         # 1-2. Draft with calibrated pruning: the drafter's candidate pool (empty without a drafter).
         t = seq.stats.clock()
-        if seq.drafter is not None and (policy is None or policy.should_draft()):
+        if pool is not None:
+            pass
+        elif seq.drafter is not None and (policy is None or policy.should_draft()):
             step_tau = (seq.log_tau if policy is None
                         else policy.depth_log_tau(seq.draft_rates, SCORE_EDGES, seq.log_tau))
             pool = seq.drafter.draft(seq.context, seq.length, cfg, step_tau, ops)

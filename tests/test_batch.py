@@ -100,7 +100,7 @@ def test_the_budget_follows_the_batch_size(smollm2, self_drafter, prompts, ar_al
     from graft_tk.config import GraftConfig
     policy = {1: GraftConfig(budget=12), 2: GraftConfig(budget=4, tau=0.2)}
     batch = Batch(Engine(smollm2, self_drafter), "graft", max_batch=2, policy=policy)
-    assert batch.plan(1)[0] == 12 and batch.plan(2)[0] == 4
+    assert batch.plan(1).budget == 12 and batch.plan(2).budget == 4 and batch.plan(8).budget == 4
     a = batch.add(prompts[0], max_new_tokens=6)
     b = batch.add(prompts[1], max_new_tokens=24)
     while len(batch):
@@ -109,3 +109,19 @@ def test_the_budget_follows_the_batch_size(smollm2, self_drafter, prompts, ar_al
     nodes = b.stats.per_step["nodes"]
     shared = len(a.stats.per_step["nodes"])        # the steps a and b were verified together
     assert set(nodes[:shared]) == {4} and set(nodes[shared:]) == {12}
+
+
+def test_batched_drafting_grows_the_trees_a_request_grows_alone(smollm2, self_drafter, prompts):
+    """One drafter forward per depth for the whole batch drafts what each request drafts alone:
+    two requests batched commit, step by step, what each commits decoded alone at the same
+    fixed budget (same trees, same accepted paths)."""
+    alone = []
+    for ids in prompts[:2]:
+        r = graft_tk.decode(smollm2, ids, drafter=self_drafter, method="tree",
+                            engine=Engine(smollm2, self_drafter, static_shapes=True), max_new_tokens=24)
+        alone.append(r.stats["per_step"])
+    # "tree": no retrieval or estimates shared between the two requests, so their trees are their own
+    got = decode_batch(Engine(smollm2, self_drafter), prompts[:2], "tree", max_batch=2, max_new_tokens=24)
+    for (_, stats), ref in zip(got, alone):
+        assert stats["per_step"]["committed"] == ref["committed"]
+        assert stats["per_step"]["drafter_forwards"] == ref["drafter_forwards"]

@@ -177,7 +177,7 @@ def test_pareto_front_keeps_only_undominated_trials():
 
 @pytest.mark.slow
 def test_calibrate_for_a_batch_size_writes_that_sizes_profile(calib_env, smollm2, drafter10, capsys):
-    """--batch 2: tau and N searched on the prompts decoded two at a time; a profile of its own
+    """--batch 2: tau, N and D searched on the prompts decoded two at a time; a profile of its own
     (file name ...__batch2.json) that batch_policy hands to graft-serve."""
     from graft_tk.calibration.profiles import batch_policy
     assert cli.main(_args(calib_env, trials=2) + ["--batch", "2"]) == 0
@@ -187,6 +187,6 @@ def test_calibrate_for_a_batch_size_writes_that_sizes_profile(calib_env, smollm2
     assert profile.key == profile_key(smollm2, drafter10, batch=2) and profile.measured["batch"] == 2
     assert profile.measured["tokens_per_s"] > 0
     study = optuna.load_study(study_name="t", storage=calib_env["storage"])
-    assert set(study.trials[1].params) == {"tau", "budget"}        # the first is the default, enqueued
+    assert set(study.trials[1].params) == {"tau", "budget", "max_depth"}        # the first is the default, enqueued
     assert find_profile(smollm2, drafter10) is None                 # batch size 1 has none
     assert batch_policy(smollm2, drafter10, 4) == {2: profile.config}

@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompts) into this pair's profile (keeps its config; the default config when there "
                         "is no profile yet)")
     p.add_argument("--batch", type=int, default=1, metavar="B",
-                   help="calibrate for B requests decoded together (graft-serve --max-batch): tau and N only, "
+                   help="calibrate for B requests decoded together (graft-serve --max-batch): tau, N and D only, "
                         "scored by the batch's output tokens/s; the profile is the pair's for batch size B "
                         "(default: %(default)s)")
     p.add_argument("--show", action="store_true", help="list profiles and studies, then exit")
@@ -126,11 +126,11 @@ def run(args) -> int:
     args.prompts = args.prompts or default_prompts()
     tune, held_out = split_prompts(load_prompts(args.prompts), args.n_prompts, args.validate)
     base = None
-    if args.batch > 1:   # tau and N for this batch size; the rest is the pair's (its profile, else the default)
+    if args.batch > 1:   # tau, N and D for this batch size; the rest is the pair's (its profile, else the default)
         from ..calibration.profiles import find_profile
         single = find_profile(target, drafter)
         base, held_out = (single.config if single else GraftConfig()), []
-        print(f"batch {args.batch}: searching tau and N; the rest from "
+        print(f"batch {args.batch}: searching tau, N and D; the rest from "
               f"{single.path if single else 'the default config'}", file=sys.stderr)
     task = search.Task(target=target, drafter=drafter, prompts=tune, validation=held_out,
                        max_new_tokens=args.max_new_tokens, methods=methods, objectives=args.objectives,

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_batch > 1 and method != "ar":
         from ..calibration.profiles import batch_policy
         policy = batch_policy(target, drafter, args.max_batch)
-    plan = ", ".join(f"from {b}: N={c.budget} tau={c.tau:.3g}" for b, c in policy.items())
+    plan = ", ".join(f"from {b}: N={c.budget} tau={c.tau:.3g} D={c.max_depth}" for b, c in policy.items())
     try:
         scheduler = Scheduler(target, drafter, method, config, args.max_queue, Metrics(), args.max_batch, policy)
     except GraftError as e:   # e.g. a batch of an EAGLE-3 head's requests

@@ -203,14 +203,22 @@ class Attention(nn.Module):
 
 
 def write_kv(kv: Tensor, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
-    """kv[layer, 0 / 1, :, :, slots] = k / v ([B, Hkv, T, Dh]), one indexed write into the cache.
+    """kv[layer, 0 / 1, :, :, slots] = k / v ([B, Hkv, T, Dh]), one indexed write into the cache;
+    ``slots`` [T] (every sequence alike) or [B, T] (each its own: a batch's rows).
 
     Indexed on the whole cache, not on a per-layer view: a compiled forward (torch.compile) then
     writes the T new slots in place, where a write through a view of a graph input makes inductor
     copy the entire cache in every layer.
     """
-    which = torch.arange(2, device=kv.device)[:, None]                   # K, V
-    at_layer = torch.full((1, 1), layer, dtype=torch.long, device=kv.device)
+    device = kv.device
+    if slots.dim() == 2:   # index tensors broadcast to [2, B, T]: the write is [2, B, T, Hkv, Dh]
+        rows = torch.arange(k.shape[0], device=device)[None, :, None]
+        at_layer = torch.full((1, 1, 1), layer, dtype=torch.long, device=device)
+        new = torch.stack([k, v]).to(kv.dtype).transpose(2, 3)
+        kv[at_layer, torch.arange(2, device=device)[:, None, None], rows, :, slots[None]] = new
+        return
+    which = torch.arange(2, device=device)[:, None]                      # K, V
+    at_layer = torch.full((1, 1), layer, dtype=torch.long, device=device)
     new = torch.stack([k, v]).to(kv.dtype).permute(0, 3, 1, 2, 4)        # [2, T, B, Hkv, Dh]
     kv[at_layer, which, :, :, slots[None]] = new
 
@@ -384,7 +392,8 @@ class Transformer(nn.Module):
                        last_only: bool = False, hidden_layers: tuple[int, ...] | None = None,
                        attention: Callable | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """The fixed-shape forward (gpt-fast's ``input_pos`` form), what ``torch.compile`` captures:
-        the new K/V go to cache ``slots`` [T] (int64, on the device) and attention runs over all
+        the new K/V go to cache ``slots`` [T] (int64, on the device; [B, T]: each sequence its
+        own, with a per-sequence ``visible``) and attention runs over all
         S cache slots with ``visible`` [T, S] (``cache_visibility``), so no shape and no Python
         value depends on the context length; ``visible`` [B, T, S] gives each sequence its own
         (a batch of trees, each over its own row's prefix; SDPA). The caller guarantees slots < S. Other arguments
