@@ -6,9 +6,10 @@
 For each B, each method in turn (interleaved, so drift in the machine's speed hits all alike):
 an in-process server (the real app on uvicorn, a free loopback port) with ``max_batch`` = B, and
 B client threads each sending its requests one after the other through the ``openai`` client
-(greedy chat completions), graft with the budget policy by batch size that
-``graft-calibrate --batch B`` profiles give (the pair's profile below them). Reported per (B, method): requests/s, output tokens/s, p50 / p95
-latency, the most requests decoded together, and every answer checked equal to the same prompt's answer under
+(greedy chat completions); graft runs the budget policy by batch size that ``graft-calibrate
+--batch B`` profiles give (the pair's own profile below them). Reported per (B, method):
+requests/s, output tokens/s, p50 / p95 latency, the most requests decoded together, and every
+answer checked equal to the same prompt's answer under
 ``ar`` (greedy decoding is lossless, batched or not). With B = 1 it also times the same prompts
 through ``graft_tk.decode`` directly, so the server's advantage at B = 1 can be set against
 single-request decoding.
@@ -138,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 per[method].append(graft_tk.decode(target, ids, drafter=d, method=method,
                                                    max_new_tokens=args.max_tokens).stats["tokens_per_s"])
         single = {m: statistics.median(v) for m, v in per.items()}
-    lines = ["| B | method | requests/s | output tok/s | vs ar | p50 latency s | p95 latency s | peak batch | same tokens |",
+    lines = ["| B | method | requests/s | output tok/s | vs ar | p50 latency s | p95 latency s | peak batch "
+             "| same tokens |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ar = next(x for x in rows if x["batch"] == r["batch"] and x["method"] == methods[0])

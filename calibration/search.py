@@ -65,7 +65,7 @@ def suggest(trial: optuna.Trial, methods: tuple[str, ...], base: GraftConfig | N
     method = trial.suggest_categorical("method", list(methods)) if len(methods) > 1 else methods[0]
     if base is not None:
         return method, dataclasses.replace(base, cost=None, tau=trial.suggest_float("tau", *TAU_RANGE, log=True),
-                                           budget=trial.suggest_int("budget", 2, 32, log=True),
+                                           budget=trial.suggest_int("budget", 1, 32, log=True),
                                            max_depth=trial.suggest_int("max_depth", 1, base.max_depth))
     k = trial.suggest_int("retrieval_k", 2, 8)
     template = fit_template(TEMPLATES[trial.suggest_categorical("template", list(TEMPLATES))], k)
@@ -337,7 +337,12 @@ def calibrate(task: Task, study: optuna.Study, n_trials: int, timeout: float | N
         batched = task.batch > 1
         study.enqueue_trial(params_of(default_method, task.base or GraftConfig(), task.methods, batched),
                             user_attrs={"origin": "default"})
-        if not batched and any(m in USES_DRAFTER for m in task.methods) and any(m in USES_RETRIEVAL for m in task.methods):
+        if batched:   # N = 1: no speculation at this batch size, what a busy server may do best
+            off = dataclasses.replace(task.base or GraftConfig(), budget=1, max_depth=1)
+            study.enqueue_trial(params_of(default_method, off, task.methods, batched),
+                                user_attrs={"origin": "speculation off"})
+        grafts = any(m in USES_DRAFTER for m in task.methods) and any(m in USES_RETRIEVAL for m in task.methods)
+        if grafts and not batched:
             warm = warm_start(task, encoded)
             log(warm.describe())
             study.enqueue_trial(params_of(default_method, dataclasses.replace(GraftConfig(), tau=warm.tau),

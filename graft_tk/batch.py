@@ -61,7 +61,8 @@ class Batch:
         self.engine, self.method, self.max_batch = engine, method, max_batch
         # The budget policy by batch size (graft-calibrate --batch B): batch size -> the config whose
         # N, tau and D a step of that many requests uses (the nearest calibrated size at or below it;
-        # the engine's config below them all). A verify costs about B x N rows, so N falls as B grows.
+        # the engine's config below them all). A verify costs about B x N rows, so N falls as B
+        # grows; N = 1 turns speculation off at that size (plain decoding, batched, no drafting).
         self.policy = dict(sorted((policy or {}).items()))
         if any(not isinstance(b, int) or b < 1 for b in self.policy):
             raise InputError(f"policy keys must be batch sizes >= 1, got {sorted(self.policy)}")
@@ -104,16 +105,20 @@ class Batch:
     @torch.inference_mode()
     def step(self) -> list[DecodeState]:
         """One decode step for every request; returns those that finished (their rows freed)."""
+        if not self.seqs:
+            return []
         engine, tnet = self.engine, self.engine.target.net
         config = self.plan(len(self.seqs))
         for seq in self.seqs:
             seq.budget = 1 if self.method == "ar" else config.budget
             seq.log_tau = math.log(config.tau) if self.method in PRUNES else -math.inf
         # 1-2. Every request's drafter tree, one drafter forward per depth for all of them.
-        t = time.perf_counter()
-        pools = self._draft(config.max_depth) if self.method in USES_DRAFTER else [None] * len(self.seqs)
-        for seq in self.seqs:
+        t, reads = time.perf_counter(), HOST_READS.count
+        drafts = self.method in USES_DRAFTER and self.seqs[0].budget > 1    # N = 1: speculation off
+        pools = self._draft(config.max_depth) if drafts else [DraftPool.empty(engine.target.device)] * len(self.seqs)
+        for seq in self.seqs:   # every request waited for the whole batch's drafting
             seq.stats.seconds["draft"] += time.perf_counter() - t
+            seq.stats.host_reads += HOST_READS.count - reads
         proposals = []
         for row, (seq, pool) in enumerate(zip(self.seqs, pools)):
             with self._rows(row):

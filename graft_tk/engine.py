@@ -109,7 +109,7 @@ class Engine:
         return seq.out, self.finish(seq)
 
     def begin(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
-              generator, on_tokens, drafter: Drafter | None = None, batched: bool = False) -> "DecodeState":
+              generator, on_tokens, drafter: Drafter | None = None, batched: bool = False) -> DecodeState:
         """A request's state, after its prefill into the target cache as it stands (the caller
         sized it, or shows one row of a batch's cache). ``drafter``: the request's own drafter
         state (a batch gives each row one); default the engine's. ``batched``: verified at the full
@@ -165,7 +165,7 @@ class Engine:
         seq.draft_rates = HOST_READS.read(self.estimates.draft_rates()) if policy is not None else None
         return seq
 
-    def propose(self, seq: "DecodeState", pool: DraftPool | None = None) -> "Proposal":
+    def propose(self, seq: DecodeState, pool: DraftPool | None = None) -> Proposal:
         """Steps 1-6 for one request: its drafter's pruned tree, the prompt-lookup chain and
         root-parallel retrieval grafted into the freed budget, as one tree of ``seq.budget`` nodes.
         ``pool``: the drafter's candidates when they were drafted already (a batch drafts for all
@@ -214,7 +214,7 @@ class Engine:
         seq.stats.host_reads += HOST_READS.count - reads_before
         return Proposal(pool, built, tree, ngram)
 
-    def settle(self, seq: "DecodeState", proposal: "Proposal", logits: torch.Tensor, features: torch.Tensor | None,
+    def settle(self, seq: DecodeState, proposal: Proposal, logits: torch.Tensor, features: torch.Tensor | None,
                kv: torch.Tensor, tree_start: int) -> None:
         """Steps 8-9 for one request, from its verify ``logits`` [n, V] (``features`` for an
         EAGLE-3 drafter): accept, update M and the estimates, stream the new tokens, and commit the
@@ -282,7 +282,7 @@ class Engine:
         seq.stats.record_launches(seq.step_launches + (LAUNCHES.snapshot() - launches_before), pool.forwards)
         seq.stats.host_reads += HOST_READS.count - reads_before
 
-    def finish(self, seq: "DecodeState") -> dict:
+    def finish(self, seq: DecodeState) -> dict:
         """The request's stats (``DecodeResult.stats``)."""
         return seq.stats.finish(seq.prompt_tokens, len(seq.out), time.perf_counter() - seq.t0)
 
@@ -313,7 +313,7 @@ class DecodeState:
     cand_parents: torch.Tensor      # the grafted candidates' layout (Engine._candidate_layout)
     cand_source: torch.Tensor
     spans: tuple                    # [start, end) of the pld and retrieval candidates, None if unused
-    stats: "_Stats"
+    stats: _Stats
     prompt_tokens: int
     t0: float = field(default_factory=time.perf_counter)
     context: torch.Tensor | None = None   # committed tokens on the device (prompt first): context[:length]

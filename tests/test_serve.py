@@ -194,6 +194,11 @@ def asyncio_loop_stub():
 
 
 def test_forty_requests_eight_at_a_time_all_complete_unmixed(smollm2, client):
+    forty_requests_eight_at_a_time(smollm2, client)
+
+
+def forty_requests_eight_at_a_time(smollm2, client):
+    """40 chat requests from 8 threads: every one completes with its own prompt's greedy answer."""
     want = {p: expected(smollm2, p, 8).text for p in PROMPTS}
 
     def ask(i):
@@ -241,19 +246,7 @@ def test_batched_requests_stream_and_equal_plain_greedy(smollm2, batched):
 
 def test_batched_forty_requests_eight_at_a_time_all_complete_unmixed(smollm2, batched):
     url, scheduler, client = batched
-    want = {p: expected(smollm2, p, 8).text for p in PROMPTS}
-
-    def ask(i):
-        p = PROMPTS[i % len(PROMPTS)]
-        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": p}],
-                                           temperature=0, max_tokens=8)
-        return p, r
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(ask, range(40), timeout=600))
-    assert len(results) == 40
-    for p, r in results:
-        assert r.choices[0].message.content == want[p]
-        assert r.usage.completion_tokens == 8 or r.choices[0].finish_reason == "stop"
+    forty_requests_eight_at_a_time(smollm2, client)
     assert scheduler.peak_batch == 4
 
 

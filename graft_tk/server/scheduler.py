@@ -125,8 +125,8 @@ class Scheduler:
         # policy: batch size -> config (N and tau by batch size, graft-calibrate --batch B)
         self.batch = Batch(self.engine, method, max_batch, policy) if max_batch > 1 else None
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
-        self._thread = threading.Thread(target=self._serve_batched if self.batch is not None else self._serve, name="graft-decode",
-                                        daemon=True)
+        serve = self._serve_batched if self.batch is not None else self._serve
+        self._thread = threading.Thread(target=serve, name="graft-decode", daemon=True)
         self._accepting = True
         self.running: dict[int, Job] = {}     # jobs being decoded, by id(their decode state) or 0
         self.peak_batch = 0                    # most jobs decoded together so far
