@@ -39,6 +39,8 @@ from .drafting import DraftPool, Expansion, ModelDrafter
 from .engine import DecodeState, Engine
 from .errors import InputError
 from .models.transformer import cache_visibility
+from .sampling import next_token
+from .tree import ROOT
 
 
 class Batch:
@@ -93,9 +95,11 @@ class Batch:
         self._reserve(len(ids) + max_new_tokens + cfg.top_k * self.max_depth + 1 + self.max_budget)
         row = len(self.seqs)
         drafter = self._free_drafters.pop() if self._free_drafters else None
+        # Where the batch it joins does not speculate (N = 1), its prefill does not warm M either.
+        warm = self.plan(row + 1).budget > 1
         with self._rows(row):
             seq = self.engine.begin(ids, self.method, max_new_tokens, temperature, top_p, generator, on_tokens,
-                                    drafter=drafter, batched=True)
+                                    drafter=drafter, batched=True, warm=warm)
         if seq.done:
             self._release(seq)
         else:
@@ -107,14 +111,52 @@ class Batch:
         """One decode step for every request; returns those that finished (their rows freed)."""
         if not self.seqs:
             return []
-        engine, tnet = self.engine, self.engine.target.net
         config = self.plan(len(self.seqs))
+        if self.method == "ar" or config.budget == 1:
+            self._plain_step()
+        else:
+            self._speculative_step(config)
+        finished = [seq for seq in self.seqs if seq.done]
+        for seq in finished:
+            self._remove(seq)
+        return finished
+
+    def _plain_step(self) -> None:
+        """N = 1 (``ar``, or speculation off at this batch size): every request's last committed
+        token through one forward, its KV written at the request's own next slot, the next token
+        drawn from the logits; no tree, no drafting, no adjacency update (a drafter catches up on
+        the tokens it missed when speculation resumes)."""
+        tnet, device, eos = self.engine.target.net, self.engine.target.device, self.engine.target.eos_token_ids
+        B, S = len(self.seqs), tnet.cache_len
+        t = time.perf_counter()
+        at = torch.tensor([seq.target_len for seq in self.seqs], device=device)[:, None]      # [B, 1]
+        roots = torch.stack([seq.root for seq in self.seqs])[:, None]
+        with tnet.cache_rows(0, B):
+            logits = tnet.forward_static(roots, at, at, (torch.arange(S, device=device) <= at)[:, None])[:, 0]
+        new = torch.cat([next_token(logits[b:b + 1], seq.temperature, seq.top_p, seq.generator)
+                         for b, seq in enumerate(self.seqs)])
+        tokens = HOST_READS.read(new)                  # one host read for the whole batch
+        seconds = time.perf_counter() - t
+        for seq, tok, root in zip(self.seqs, tokens, new):
+            seq.context[seq.length] = root
+            seq.length, seq.target_len, seq.root = seq.length + 1, seq.target_len + 1, root
+            seq.out.append(tok)
+            seq.stats.seconds["verify"] += seconds
+            seq.stats.host_reads += 1
+            seq.stats.record_step([ROOT], [0], [], 1, 0, 1)
+            seq.done = tok in eos or len(seq.out) >= seq.max_new_tokens
+            if seq.on_tokens and seq.on_tokens([tok]):
+                seq.done = True
+
+    def _speculative_step(self, config: GraftConfig) -> None:
+        """Steps 1-9 for every request: trees drafted and proposed per request, one verify."""
+        engine, tnet = self.engine, self.engine.target.net
         for seq in self.seqs:
-            seq.budget = 1 if self.method == "ar" else config.budget
+            seq.budget = config.budget
             seq.log_tau = math.log(config.tau) if self.method in PRUNES else -math.inf
         # 1-2. Every request's drafter tree, one drafter forward per depth for all of them.
         t, reads = time.perf_counter(), HOST_READS.count
-        drafts = self.method in USES_DRAFTER and self.seqs[0].budget > 1    # N = 1: speculation off
+        drafts = self.method in USES_DRAFTER
         pools = self._draft(config.max_depth) if drafts else [DraftPool.empty(engine.target.device)] * len(self.seqs)
         for seq in self.seqs:   # every request waited for the whole batch's drafting
             seq.stats.seconds["draft"] += time.perf_counter() - t
@@ -141,10 +183,6 @@ class Batch:
             seq.stats.seconds["verify"] += verify_seconds
             with self._rows(row):
                 engine.settle(seq, proposal, logits[row], None, tnet.kv, tree_start)
-        finished = [seq for seq in self.seqs if seq.done]
-        for seq in finished:
-            self._remove(seq)
-        return finished
 
     def _draft(self, max_depth: int) -> list[DraftPool]:
         """Steps 1-2 for every request with the drafter model's forwards batched: its committed

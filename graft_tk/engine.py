@@ -109,11 +109,13 @@ class Engine:
         return seq.out, self.finish(seq)
 
     def begin(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
-              generator, on_tokens, drafter: Drafter | None = None, batched: bool = False) -> DecodeState:
+              generator, on_tokens, drafter: Drafter | None = None, batched: bool = False,
+              warm: bool = True) -> DecodeState:
         """A request's state, after its prefill into the target cache as it stands (the caller
         sized it, or shows one row of a batch's cache). ``drafter``: the request's own drafter
         state (a batch gives each row one); default the engine's. ``batched``: verified at the full
-        budget with others (static shapes, no per-step policy)."""
+        budget with others (static shapes, no per-step policy). ``warm``: the prefill warms M
+        (where the method retrieves and the config says so)."""
         cfg, ops, target, tnet = self.config, self.ops, self.target, self.target.net
         device = target.device
         cand_parents, cand_source, spans = self._candidate_layout(method in USES_PROMPT_LOOKUP,
@@ -135,7 +137,7 @@ class Engine:
 
         # Prefill: the last position's logits give the first token; with warm-up, every position's
         # last-layer state goes to warm M (its logits made a chunk at a time, never [n, V] at once).
-        warm = method in USES_RETRIEVAL and cfg.warm_from_prefill
+        warm = warm and method in USES_RETRIEVAL and cfg.warm_from_prefill
         prompt = torch.tensor([ids], device=device)
         taken = (*(layers or ()), tnet.config.n_layers - 1) if warm else layers
         logits, features = _forward(tnet, taken, prompt, torch.arange(n, device=device), 0, last_only=True,

@@ -125,3 +125,20 @@ def test_batched_drafting_grows_the_trees_a_request_grows_alone(smollm2, self_dr
     for (_, stats), ref in zip(got, alone):
         assert stats["per_step"]["committed"] == ref["committed"]
         assert stats["per_step"]["drafter_forwards"] == ref["drafter_forwards"]
+
+
+def test_speculation_off_at_a_batch_size_and_back_on(smollm2, self_drafter, prompts, ar_alone):
+    """Policy {2: N = 1}: while two requests share the batch they decode plainly (no drafting, one
+    token per step); alone again, the long one speculates, its drafter catching up on the tokens it
+    missed. Both equal their `ar` decodes."""
+    from graft_tk.config import GraftConfig
+    batch = Batch(Engine(smollm2, self_drafter), "graft", max_batch=2, policy={2: GraftConfig(budget=1)})
+    a = batch.add(prompts[0], max_new_tokens=6)
+    b = batch.add(prompts[1], max_new_tokens=24)
+    while len(batch):
+        batch.step()
+    assert a.out == ar_alone[0][:6] and b.out == ar_alone[1]
+    shared = len(a.stats.per_step["nodes"])
+    assert set(b.stats.per_step["drafter_forwards"][:shared]) == {0} and set(b.stats.per_step["committed"][:shared]) == {1}
+    assert all(f >= 1 for f in b.stats.per_step["drafter_forwards"][shared:])
+    assert b.stats.per_step["nodes"][shared:] and set(b.stats.per_step["nodes"][shared:]) == {16}
