@@ -72,6 +72,7 @@ class Batch:
         self.max_budget = 1 if method == "ar" else max(c.budget for c in configs)
         self.max_depth = max(c.max_depth for c in configs)
         self.seqs: list[DecodeState] = []    # request i decodes in cache row i
+        self._cold: set[DecodeState] = set()   # requests whose drafter has not read their context yet
         # One drafter state per row, each over its row of the drafter model's cache.
         self._free_drafters = [ModelDrafter(engine.drafter) for _ in range(max_batch)] if drafts else []
         self._nets = [engine.target.net] + ([engine.drafter.net] if drafts else [])
@@ -95,15 +96,23 @@ class Batch:
         self._reserve(len(ids) + max_new_tokens + cfg.top_k * self.max_depth + 1 + self.max_budget)
         row = len(self.seqs)
         drafter = self._free_drafters.pop() if self._free_drafters else None
-        # Where the batch it joins does not speculate (N = 1), its prefill does not warm M either.
-        warm = self.plan(row + 1).budget > 1
-        with self._rows(row):
-            seq = self.engine.begin(ids, self.method, max_new_tokens, temperature, top_p, generator, on_tokens,
-                                    drafter=drafter, batched=True, warm=warm)
+        # Where the batch it joins does not speculate (N = 1), its prefill neither warms M nor starts
+        # its drafter: that waits for the first step that speculates (_start_drafters).
+        speculating = self.method != "ar" and self.plan(row + 1).budget > 1
+        try:
+            with self._rows(row):
+                seq = self.engine.begin(ids, self.method, max_new_tokens, temperature, top_p, generator, on_tokens,
+                                        drafter=drafter, batched=True, speculating=speculating)
+        except BaseException:
+            if drafter is not None:
+                self._free_drafters.append(drafter)
+            raise
         if seq.done:
             self._release(seq)
         else:
             self.seqs.append(seq)
+            if seq.drafter is not None and not speculating:
+                self._cold.add(seq)
         return seq
 
     @torch.inference_mode()
@@ -156,6 +165,7 @@ class Batch:
             seq.log_tau = math.log(config.tau) if self.method in PRUNES else -math.inf
         # 1-2. Every request's drafter tree, one drafter forward per depth for all of them.
         t, reads = time.perf_counter(), HOST_READS.count
+        self._start_drafters()
         drafts = self.method in USES_DRAFTER
         pools = self._draft(config.max_depth) if drafts else [DraftPool.empty(engine.target.device)] * len(self.seqs)
         for seq in self.seqs:   # every request waited for the whole batch's drafting
@@ -183,6 +193,17 @@ class Batch:
             seq.stats.seconds["verify"] += verify_seconds
             with self._rows(row):
                 engine.settle(seq, proposal, logits[row], None, tnet.kv, tree_start)
+
+    def _start_drafters(self) -> None:
+        """Prefill the drafter of each request that joined while the batch did not speculate, on
+        its row: every committed token but the root (which the step's first drafter forward runs)."""
+        cfg, ops = self.engine.config, self.engine.ops
+        for row, seq in enumerate(self.seqs):
+            if seq in self._cold:
+                slots = seq.prompt_tokens + seq.max_new_tokens + cfg.top_k * self.max_depth + 1
+                with self._rows(row):
+                    seq.drafter.start(seq.context[:seq.length - 1], slots, None, ops)
+                self._cold.discard(seq)
 
     def _draft(self, max_depth: int) -> list[DraftPool]:
         """Steps 1-2 for every request with the drafter model's forwards batched: its committed
@@ -283,6 +304,7 @@ class Batch:
                 net.kv[:, :, row] = net.kv[:, :, last]
             self.seqs[row] = moved
         self.seqs.pop()
+        self._cold.discard(seq)
         self._release(seq)
 
     def _release(self, seq: DecodeState) -> None:

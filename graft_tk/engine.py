@@ -110,12 +110,13 @@ class Engine:
 
     def begin(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
               generator, on_tokens, drafter: Drafter | None = None, batched: bool = False,
-              warm: bool = True) -> DecodeState:
+              speculating: bool = True) -> DecodeState:
         """A request's state, after its prefill into the target cache as it stands (the caller
         sized it, or shows one row of a batch's cache). ``drafter``: the request's own drafter
         state (a batch gives each row one); default the engine's. ``batched``: verified at the full
-        budget with others (static shapes, no per-step policy). ``warm``: the prefill warms M
-        (where the method retrieves and the config says so)."""
+        budget with others (static shapes, no per-step policy). ``speculating=False``: it starts in
+        a batch that does not speculate, so its prefill neither warms M nor starts its drafter
+        (the batch starts that when speculation begins)."""
         cfg, ops, target, tnet = self.config, self.ops, self.target, self.target.net
         device = target.device
         cand_parents, cand_source, spans = self._candidate_layout(method in USES_PROMPT_LOOKUP,
@@ -137,7 +138,7 @@ class Engine:
 
         # Prefill: the last position's logits give the first token; with warm-up, every position's
         # last-layer state goes to warm M (its logits made a chunk at a time, never [n, V] at once).
-        warm = warm and method in USES_RETRIEVAL and cfg.warm_from_prefill
+        warm = speculating and method in USES_RETRIEVAL and cfg.warm_from_prefill
         prompt = torch.tensor([ids], device=device)
         taken = (*(layers or ()), tnet.config.n_layers - 1) if warm else layers
         logits, features = _forward(tnet, taken, prompt, torch.arange(n, device=device), 0, last_only=True,
@@ -146,7 +147,7 @@ class Engine:
             dim = tnet.config.dim
             warm_adjacency(self.adjacency, prompt[0], features[:, -dim:], tnet.logits)
             features = features[:, :-dim] if layers is not None else None
-        if drafter is not None:
+        if drafter is not None and speculating:
             drafter.start(prompt[0], n + max_new_tokens + cfg.top_k * cfg.max_depth + 1, features, ops)
         seq.root = next_token(logits[-1:], temperature, top_p, generator)[0]   # on the device, as each step's bonus
         first = HOST_READS.read(seq.root)
