@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import socket
 import statistics
 import sys
-import threading
 import time
 
 import graft_tk
@@ -32,30 +30,9 @@ from graft_tk.calibration.profiles import batch_policy
 from graft_tk.config import USES_DRAFTER
 from graft_tk.decode import encode_prompt, resolve_config
 from graft_tk.prompts import load_prompts
-
-
-def serve(target, drafter, method: str, config, max_batch: int, policy: dict):
-    """Start graft-serve's app in this process; returns (base url, scheduler, stop())."""
-    import uvicorn
-
-    from graft_tk.server.app import create_app
-    from graft_tk.server.metrics import Metrics
-    from graft_tk.server.scheduler import Scheduler
-    scheduler = Scheduler(target, drafter, method, config, max_queue=256, metrics=Metrics(), max_batch=max_batch,
-                          policy=policy)
-    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, "bench"), log_level="warning"))
-    sock = socket.create_server(("127.0.0.1", 0))
-    scheduler.start()
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-
-    def stop():
-        server.should_exit = True
-        thread.join(timeout=60)
-        scheduler.shutdown(grace=0)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", scheduler, stop
+from graft_tk.server.app import serving_in_thread
+from graft_tk.server.metrics import Metrics
+from graft_tk.server.scheduler import Scheduler
 
 
 def load(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
@@ -115,11 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             if policy:
                 source += "; by batch size " + ", ".join(f"{b}: N={c.budget} tau={c.tau:.3g} D={c.max_depth}"
                                                          for b, c in policy.items())
-            url, scheduler, stop = serve(target, d, method, config, B, policy)
-            try:
-                r = load(url, texts, B, args.requests_per_client, args.max_tokens)
-            finally:
-                stop()
+            scheduler = Scheduler(target, d, method, config, max_queue=256, metrics=Metrics(), max_batch=B,
+                                  policy=policy)
+            with serving_in_thread(scheduler, "bench") as url:
+                r = load(url + "/v1", texts, B, args.requests_per_client, args.max_tokens)
             answers = r.pop("answers")
             if method == methods[0]:
                 reference.update({i: a for i, a in answers.items() if i not in reference})

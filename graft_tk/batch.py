@@ -39,7 +39,7 @@ from .drafting import DraftPool, Expansion, ModelDrafter
 from .engine import DecodeState, Engine
 from .errors import InputError
 from .models.transformer import cache_visibility
-from .sampling import next_token
+from .sampling import next_token, sampling_generator
 from .tree import ROOT
 
 
@@ -324,10 +324,7 @@ def decode_batch(engine: Engine, prompts: Sequence[list[int]], method: str, max_
     while pending or len(batch):
         while pending and not batch.full:
             i, ids = pending.pop(0)
-            generator = None
-            if temperature > 0:
-                generator = torch.Generator(device=engine.target.device)
-                generator.manual_seed((seed if seed is not None else torch.seed()) + i)
+            generator = sampling_generator(engine.target.device, temperature, None if seed is None else seed + i)
             seq = batch.add(list(ids), max_new_tokens, temperature, top_p, generator)
             if seq.done:
                 results[i] = (seq.out, engine.finish(seq))

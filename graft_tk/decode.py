@@ -16,7 +16,7 @@ from .errors import InputError
 from .models import Model
 from .models.eagle3 import Eagle3Head
 from .ops import ops_for
-from .sampling import check_sampling_args, next_token
+from .sampling import check_sampling_args, next_token, sampling_generator
 
 
 @dataclass
@@ -102,10 +102,7 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
     if len(ids) + max_new_tokens > context:
         raise InputError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
                          f"context of {context} tokens; shorten the prompt or lower max_new_tokens")
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(device=target.device)
-        generator.manual_seed(seed if seed is not None else torch.seed())
+    generator = sampling_generator(target.device, temperature, seed)
     with torch.inference_mode():
         if method == "ar" or max_new_tokens == 0:
             tokens, stats = _decode_ar(target, ids, max_new_tokens, temperature, top_p, generator, on_tokens,

@@ -177,13 +177,11 @@ class Engine:
         launches_before, reads_before = LAUNCHES.snapshot(), HOST_READS.count
         # 1-2. Draft with calibrated pruning: the drafter's candidate pool (empty without a drafter).
         t = seq.stats.clock()
-        if pool is not None:
-            pass
-        elif seq.drafter is not None and (policy is None or policy.should_draft()):
+        if pool is None and seq.drafter is not None and (policy is None or policy.should_draft()):
             step_tau = (seq.log_tau if policy is None
                         else policy.depth_log_tau(seq.draft_rates, SCORE_EDGES, seq.log_tau))
             pool = seq.drafter.draft(seq.context, seq.length, cfg, step_tau, ops)
-        else:
+        elif pool is None:
             pool = DraftPool.empty(device)
         seq.stats.add_time("draft", t)
         # 3-6. Candidates for the freed budget: the prompt-lookup chain and root-parallel retrieval
@@ -222,7 +220,7 @@ class Engine:
         """Steps 8-9 for one request, from its verify ``logits`` [n, V] (``features`` for an
         EAGLE-3 drafter): accept, update M and the estimates, stream the new tokens, and commit the
         path's KV from the tree's slots [tree_start, tree_start + n) of ``kv`` to the prefix's end."""
-        cfg, ops, estimates, policy, device = self.config, self.ops, self.estimates, seq.policy, self.target.device
+        ops, estimates, policy, device = self.ops, self.estimates, seq.policy, self.target.device
         launches_before, reads_before = LAUNCHES.snapshot(), HOST_READS.count
         pool, built, tree = proposal.pool, proposal.built, proposal.tree
         use_retrieval = seq.method in USES_RETRIEVAL

@@ -55,6 +55,16 @@ def target_probs(logits: Tensor, temperature: float, top_p: float) -> Tensor:
     return probs / probs.sum(-1, keepdim=True) if top_p < 1.0 else probs
 
 
+def sampling_generator(device, temperature: float, seed: int | None) -> torch.Generator | None:
+    """The generator a sampled request draws from (seeded: reproducible; else a fresh random seed);
+    None when greedy."""
+    if temperature == 0:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else torch.seed())
+    return generator
+
+
 def next_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> Tensor:
     """logits [B, V] -> token ids [B] (argmax when temperature == 0)."""
     if temperature == 0.0:

@@ -6,7 +6,6 @@ import contextlib
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,11 +14,10 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 
 import graft_tk
 from graft_tk.config import GraftConfig
-from graft_tk.server.app import create_app
+from graft_tk.server.app import serving_in_thread
 from graft_tk.server.metrics import Metrics
 from graft_tk.server.protocol import APIError, Request, parse_request
 from graft_tk.server.scheduler import Job, Scheduler
@@ -31,21 +29,8 @@ PROMPTS = ["Name three colours.", "Write a haiku about the sea.", "What is 2 + 2
 @contextlib.contextmanager
 def serving(target, drafter, method="graft", max_queue=64, max_batch=1):
     scheduler = Scheduler(target, drafter, method, GraftConfig(), max_queue, Metrics(), max_batch)
-    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, NAME), log_level="warning"))
-    sock = socket.create_server(("127.0.0.1", 0))
-    scheduler.start()
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", scheduler
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        scheduler.shutdown(grace=0)
+    with serving_in_thread(scheduler, NAME) as url:
+        yield url, scheduler
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,11 @@ Every error is an OpenAI error body with its status; a handler never takes the s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import socket
+import threading
 import time
 
 from starlette.applications import Starlette
@@ -192,3 +195,27 @@ def _log(job: Job) -> None:
              job.id, job.request.kind, "stream" if job.request.stream else "block", len(job.prompt_ids),
              len(job.tokens), job.finish_reason, seconds, (job.started or job.created) - job.created,
              s.get("tokens_per_s", 0.0), s.get("mat", 0.0))
+
+
+@contextlib.contextmanager
+def serving_in_thread(scheduler: Scheduler, served_name: str, start_timeout: float = 30.0):
+    """The app on uvicorn in a background thread of this process, on a free loopback port (tests,
+    bench/serve_load.py): yields the base URL ``http://127.0.0.1:PORT``; on exit the server stops and
+    the scheduler shuts down."""
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, served_name), log_level="warning"))
+    sock = socket.create_server(("127.0.0.1", 0))
+    scheduler.start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    try:
+        while not server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start within {start_timeout:.0f} s")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        scheduler.shutdown(grace=0)

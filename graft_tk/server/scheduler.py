@@ -18,12 +18,11 @@ import threading
 import time
 import uuid
 
-import torch
-
 from ..batch import Batch
 from ..decode import decode
 from ..engine import Engine
 from ..models import Model
+from ..sampling import sampling_generator
 from .metrics import Metrics
 from .protocol import APIError, Request
 
@@ -120,9 +119,8 @@ class Scheduler:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.target, self.drafter, self.method, self.metrics = target, drafter, method, metrics
-        self.max_batch = max_batch
         self.engine = None if method == "ar" and max_batch == 1 else Engine(target, drafter, config)
-        # policy: batch size -> config (N and tau by batch size, graft-calibrate --batch B)
+        # policy: batch size -> config (N, tau and D by batch size, graft-calibrate --batch B)
         self.batch = Batch(self.engine, method, max_batch, policy) if max_batch > 1 else None
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         serve = self._serve_batched if self.batch is not None else self._serve
@@ -205,10 +203,7 @@ class Scheduler:
 
     def _join(self, job: Job) -> None:
         r = job.request
-        generator = None
-        if r.temperature > 0:
-            generator = torch.Generator(device=self.target.device)
-            generator.manual_seed(r.seed if r.seed is not None else torch.seed())
+        generator = sampling_generator(self.target.device, r.temperature, r.seed)
         job.started = time.time()
         try:
             seq = self.batch.add(job.prompt_ids, r.max_tokens, r.temperature, r.top_p, generator, job.on_tokens)
