@@ -1,17 +1,20 @@
 """graft-serve under load: B concurrent clients against a server that batches up to B requests.
 
     python bench/serve_load.py --model qwen2.5-coder-1.5b --methods ar,graft --batches 1,2,4,8 \\
-        --prompts "humaneval#8" --requests-per-client 2 --max-tokens 48 [--json OUT]
+        --prompts "humaneval#8" --requests-per-cell 16 --max-tokens 32 [--json OUT]
 
-For each B, each method in turn (interleaved, so drift in the machine's speed hits all alike):
-an in-process server (the real app on uvicorn, a free loopback port) with ``max_batch`` = B, and
-B client threads each sending its requests one after the other through the ``openai`` client
-(greedy chat completions); graft runs the budget policy by batch size that ``graft-calibrate
---batch B`` profiles give (the pair's own profile below them). Reported per (B, method):
-requests/s, output tokens/s, p50 / p95 latency, the most requests decoded together, and every
-answer checked equal to the same prompt's answer under
-``ar`` (greedy decoding is lossless, batched or not). With B = 1 it also times the same prompts
-through ``graft_tk.decode`` directly, so the server's advantage at B = 1 can be set against
+Every method first decodes one prompt untimed (the process's first forwards of each shape are
+slow). Then for each B, each method in turn (interleaved, so drift in the machine's speed hits all
+alike): an in-process server (the real app on uvicorn, a free loopback port) with ``max_batch`` = B,
+and B client threads sending ``--requests-per-cell`` requests between them, each client one after
+the other, through the ``openai`` client (greedy chat completions); graft runs the budget policy by
+batch size that ``graft-calibrate --batch B`` profiles give (the pair's own profile below them).
+Reported per (B, method): requests/s, output tokens/s, p50 / p95 latency, the most requests decoded
+together, where the decode thread's time went (prefills, and steps by the number of requests in
+them and their tree budget N; N = 1 is a step without speculation), and every answer checked equal
+to the same prompt's answer under ``ar`` (greedy decoding is lossless, batched or not). With B = 1
+it also times the same requests through ``graft_tk.decode`` directly (prefill included, as the
+server's figures include it), so the server's advantage at B = 1 can be set against
 single-request decoding.
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import math
 import statistics
 import sys
 import time
@@ -36,7 +40,8 @@ from graft_tk.server.scheduler import Scheduler
 
 
 def load(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
-    """``clients`` threads, each sending ``per_client`` requests in turn; what came back and when."""
+    """``clients`` threads, each sending ``per_client`` requests in turn (client c asks prompts
+    c * per_client, c * per_client + 1, ...); what came back and when."""
     import openai
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
 
@@ -62,6 +67,15 @@ def load(url: str, prompts: list[str], clients: int, per_client: int, max_tokens
             "answers": {i: text for i, text, _, _ in done}}
 
 
+def time_split(metrics: Metrics) -> dict:
+    """Where the decode thread's time went: prefills, and steps by (requests in the step, budget N)."""
+    out = {"prefill": {"seconds": metrics.phase_seconds["prefill"]}}
+    for (size, budget), n in sorted(metrics.batch_steps.items()):
+        out[f"B{size} N{budget}"] = {"steps": n, "seconds": metrics.batch_step_seconds[size, budget],
+                                     "tokens": metrics.batch_step_tokens[size, budget]}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
@@ -69,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="ar,graft")
     p.add_argument("--batches", default="1,2,4,8", help="concurrent clients = max batch, each B in turn")
     p.add_argument("--prompts", default="humaneval#8")
-    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--requests-per-cell", type=int, default=16,
+                   help="requests per (B, method), split evenly between the B clients (rounded up)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--dtype", default=None)
     p.add_argument("--json", default=None, metavar="OUT")
@@ -83,8 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     for part in args.prompts.split(","):
         name, _, n = part.partition("#")
         texts += [q.text for q in load_prompts(name)[:int(n) if n else None]]
+    for method in methods:   # untimed: the first forwards of each shape in a process are slow
+        d = drafter if method in USES_DRAFTER else None
+        graft_tk.decode(target, encode_prompt(target, texts[0], chat=True), drafter=d, method=method,
+                        max_new_tokens=8)
     rows, reference = [], {}
     for B in batches:
+        per_client = math.ceil(args.requests_per_cell / B)
         for method in methods:
             d = drafter if method in USES_DRAFTER else None
             config, source = resolve_config(target, d, method, None, None)
@@ -95,26 +115,32 @@ def main(argv: list[str] | None = None) -> int:
             scheduler = Scheduler(target, d, method, config, max_queue=256, metrics=Metrics(), max_batch=B,
                                   policy=policy)
             with serving_in_thread(scheduler, "bench") as url:
-                r = load(url + "/v1", texts, B, args.requests_per_client, args.max_tokens)
+                r = load(url + "/v1", texts, B, per_client, args.max_tokens)
             answers = r.pop("answers")
             if method == methods[0]:
                 reference.update({i: a for i, a in answers.items() if i not in reference})
             r["same_as_reference"] = all(reference.get(i, a) == a for i, a in answers.items())
-            r.update(batch=B, method=method, config=source, peak_batch=scheduler.peak_batch)
+            r.update(batch=B, method=method, config=source, peak_batch=scheduler.peak_batch,
+                     time_split=time_split(scheduler.metrics))
             rows.append(r)
+            split = ", ".join(f"{k} {v['seconds']:.1f} s" + (f" {v['tokens'] / v['seconds']:.1f} tok/s" if "tokens" in v
+                                                             and v["seconds"] else "")
+                              for k, v in r["time_split"].items())
             print(f"B={B} {method:8s} {r['requests_per_s']:.3f} req/s {r['output_tokens_per_s']:.2f} tok/s "
                   f"p50 {r['latency_p50_s']:.1f} s p95 {r['latency_p95_s']:.1f} s peak batch {r['peak_batch']} "
-                  f"same {r['same_as_reference']}", file=sys.stderr, flush=True)
+                  f"same {r['same_as_reference']}; {split}", file=sys.stderr, flush=True)
     single = {}
-    if 1 in batches:   # the same prompts through graft_tk.decode, one at a time, methods interleaved
-        per = {m: [] for m in methods}
-        for text in texts[:args.requests_per_client]:
-            ids = encode_prompt(target, text, chat=True)
+    if 1 in batches:   # the B = 1 cell's requests through graft_tk.decode, one at a time, methods interleaved
+        tokens, seconds = dict.fromkeys(methods, 0), dict.fromkeys(methods, 0.0)
+        for i in range(args.requests_per_cell):
+            ids = encode_prompt(target, texts[i % len(texts)], chat=True)
             for method in methods:
                 d = drafter if method in USES_DRAFTER else None
-                per[method].append(graft_tk.decode(target, ids, drafter=d, method=method,
-                                                   max_new_tokens=args.max_tokens).stats["tokens_per_s"])
-        single = {m: statistics.median(v) for m, v in per.items()}
+                t = time.perf_counter()
+                tokens[method] += len(graft_tk.decode(target, ids, drafter=d, method=method,
+                                                      max_new_tokens=args.max_tokens).tokens)
+                seconds[method] += time.perf_counter() - t
+        single = {m: tokens[m] / seconds[m] for m in methods}
     lines = ["| B | method | requests/s | output tok/s | vs ar | p50 latency s | p95 latency s | peak batch "
              "| same tokens |",
              "|---|---|---|---|---|---|---|---|---|"]

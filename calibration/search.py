@@ -60,13 +60,13 @@ def fit_template(levels: tuple[int, ...], k: int) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- search space
 def suggest(trial: optuna.Trial, methods: tuple[str, ...], base: GraftConfig | None = None) -> tuple[str, GraftConfig]:
     """The search space: method (when several), tau, N, K, D, retrieval k and template; with a
-    ``base`` config (a batch size's calibration), tau, N and D only (D up to the base's), the rest
-    kept from it."""
+    ``base`` config (a batch size's calibration), tau, N and D only (D from 0, no drafting, up to
+    the base's), the rest kept from it."""
     method = trial.suggest_categorical("method", list(methods)) if len(methods) > 1 else methods[0]
     if base is not None:
         return method, dataclasses.replace(base, cost=None, tau=trial.suggest_float("tau", *TAU_RANGE, log=True),
                                            budget=trial.suggest_int("budget", 1, 32, log=True),
-                                           max_depth=trial.suggest_int("max_depth", 1, base.max_depth))
+                                           max_depth=trial.suggest_int("max_depth", 0, base.max_depth))
     k = trial.suggest_int("retrieval_k", 2, 8)
     template = fit_template(TEMPLATES[trial.suggest_categorical("template", list(TEMPLATES))], k)
     config = GraftConfig(
@@ -341,6 +341,10 @@ def calibrate(task: Task, study: optuna.Study, n_trials: int, timeout: float | N
             off = dataclasses.replace(task.base or GraftConfig(), budget=1, max_depth=1)
             study.enqueue_trial(params_of(default_method, off, task.methods, batched),
                                 user_attrs={"origin": "speculation off"})
+            if any(m in USES_DRAFTER for m in task.methods):   # D = 0: retrieval (and lookup) only, a small tree
+                cheap = dataclasses.replace(task.base or GraftConfig(), budget=4, max_depth=0)
+                study.enqueue_trial(params_of(default_method, cheap, task.methods, batched),
+                                    user_attrs={"origin": "drafting off"})
         grafts = any(m in USES_DRAFTER for m in task.methods) and any(m in USES_RETRIEVAL for m in task.methods)
         if grafts and not batched:
             warm = warm_start(task, encoded)

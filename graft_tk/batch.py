@@ -18,15 +18,18 @@ acceptance estimates are the Engine's, shared by every request and kept when the
 
 Every request's greedy output is the one it gets decoded alone (its tree, its prefix and its mask
 are its own; rows of a batched matmul do not mix); sampling stays lossless per request, each
-with its own generator. The budget N, threshold tau and depth D follow the batch size (``policy``, from
-``graft-calibrate --batch B``). Not batched (yet): EAGLE-3 heads, compiled forwards, the per-step
-policy of a cost model (a batch verifies every tree at its full budget N).
+with its own generator. The budget N, threshold tau and depth D follow the batch size (``policy``,
+from ``graft-calibrate --batch B``; N = 1 is no speculation, D = 0 no drafting), held at the
+largest size of the last ``hold`` steps where requests come and go. Not batched (yet): EAGLE-3
+heads, compiled forwards, the per-step policy of a cost model (a batch verifies every tree at its
+full budget N).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import time
+from collections import deque
 from contextlib import ExitStack, contextmanager
 from typing import Callable, Mapping, Sequence
 
@@ -43,11 +46,22 @@ from .sampling import next_token, sampling_generator
 from .tree import ROOT
 
 
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one batched step did: requests in it, their tree budget (1 = no speculation), its
+    seconds and the tokens it committed (graft-serve's /metrics sums them by size and budget)."""
+    size: int
+    budget: int
+    seconds: float
+    tokens: int
+
+
 class Batch:
     """Up to ``max_batch`` requests of one method decoding together with ``engine``'s target,
     drafter, config, adjacency matrix and estimates."""
 
-    def __init__(self, engine: Engine, method: str, max_batch: int, policy: Mapping[int, GraftConfig] | None = None):
+    def __init__(self, engine: Engine, method: str, max_batch: int, policy: Mapping[int, GraftConfig] | None = None,
+                 hold: int = 0):
         if method not in METHODS:
             raise InputError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
         if not isinstance(max_batch, int) or max_batch < 1:
@@ -64,10 +78,19 @@ class Batch:
         # The budget policy by batch size (graft-calibrate --batch B): batch size -> the config whose
         # N, tau and D a step of that many requests uses (the nearest calibrated size at or below it;
         # the engine's config below them all). A verify costs about B x N rows, so N falls as B
-        # grows; N = 1 turns speculation off at that size (plain decoding, batched, no drafting).
+        # grows; N = 1 turns speculation off at that size (plain decoding, batched, no drafting),
+        # D = 0 drafting (retrieval and prompt lookup only).
         self.policy = dict(sorted((policy or {}).items()))
         if any(not isinstance(b, int) or b < 1 for b in self.policy):
             raise InputError(f"policy keys must be batch sizes >= 1, got {sorted(self.policy)}")
+        if not isinstance(hold, int) or hold < 0:
+            raise InputError(f"hold must be an int >= 0 (steps), got {hold!r}")
+        # The size a step plans for: the most requests of the last ``hold`` steps, at least the
+        # requests in it. A server under steady load of B clients dips below B between one
+        # request's end and the client's next; holding the plan keeps those steps from
+        # speculating at the small sizes' budgets (0: plan by the step's own size).
+        self.hold = hold
+        self._recent: deque[int] = deque(maxlen=max(hold, 1))
         configs = [engine.config, *self.policy.values()]
         self.max_budget = 1 if method == "ar" else max(c.budget for c in configs)
         self.max_depth = max(c.max_depth for c in configs)
@@ -76,6 +99,7 @@ class Batch:
         # One drafter state per row, each over its row of the drafter model's cache.
         self._free_drafters = [ModelDrafter(engine.drafter) for _ in range(max_batch)] if drafts else []
         self._nets = [engine.target.net] + ([engine.drafter.net] if drafts else [])
+        self.last_step: StepRecord | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -97,12 +121,16 @@ class Batch:
         row = len(self.seqs)
         drafter = self._free_drafters.pop() if self._free_drafters else None
         # Where the batch it joins does not speculate (N = 1), its prefill neither warms M nor starts
-        # its drafter: that waits for the first step that speculates (_start_drafters).
-        speculating = self.method != "ar" and self.plan(row + 1).budget > 1
+        # its drafter; where it does not draft (D = 0), the drafter waits: until the first step
+        # that drafts (_start_drafters).
+        plan = self.plan(self._load(row + 1))
+        speculating = self.method != "ar" and plan.budget > 1
+        drafting = speculating and plan.max_depth > 0
         try:
             with self._rows(row):
                 seq = self.engine.begin(ids, self.method, max_new_tokens, temperature, top_p, generator, on_tokens,
-                                        drafter=drafter, batched=True, speculating=speculating)
+                                        drafter=drafter, batched=True, speculating=speculating,
+                                        drafting=drafting)
         except BaseException:
             if drafter is not None:
                 self._free_drafters.append(drafter)
@@ -111,7 +139,7 @@ class Batch:
             self._release(seq)
         else:
             self.seqs.append(seq)
-            if seq.drafter is not None and not speculating:
+            if seq.drafter is not None and not drafting:
                 self._cold.add(seq)
         return seq
 
@@ -120,11 +148,17 @@ class Batch:
         """One decode step for every request; returns those that finished (their rows freed)."""
         if not self.seqs:
             return []
-        config = self.plan(len(self.seqs))
-        if self.method == "ar" or config.budget == 1:
+        size = len(self.seqs)
+        config = self.plan(self._load(size))
+        self._recent.append(size)
+        t, committed = time.perf_counter(), sum(len(seq.out) for seq in self.seqs)
+        budget = 1 if self.method == "ar" else config.budget
+        if budget == 1:
             self._plain_step()
         else:
             self._speculative_step(config)
+        self.last_step = StepRecord(size, budget, time.perf_counter() - t,
+                                    sum(len(seq.out) for seq in self.seqs) - committed)
         finished = [seq for seq in self.seqs if seq.done]
         for seq in finished:
             self._remove(seq)
@@ -165,8 +199,9 @@ class Batch:
             seq.log_tau = math.log(config.tau) if self.method in PRUNES else -math.inf
         # 1-2. Every request's drafter tree, one drafter forward per depth for all of them.
         t, reads = time.perf_counter(), HOST_READS.count
-        self._start_drafters()
-        drafts = self.method in USES_DRAFTER
+        drafts = self.method in USES_DRAFTER and config.max_depth > 0
+        if drafts:
+            self._start_drafters()
         pools = self._draft(config.max_depth) if drafts else [DraftPool.empty(engine.target.device)] * len(self.seqs)
         for seq in self.seqs:   # every request waited for the whole batch's drafting
             seq.stats.seconds["draft"] += time.perf_counter() - t
@@ -195,7 +230,7 @@ class Batch:
                 engine.settle(seq, proposal, logits[row], None, tnet.kv, tree_start)
 
     def _start_drafters(self) -> None:
-        """Prefill the drafter of each request that joined while the batch did not speculate, on
+        """Prefill the drafter of each request that joined while the batch did not draft, on
         its row: every committed token but the root (which the step's first drafter forward runs)."""
         cfg, ops = self.engine.config, self.engine.ops
         for row, seq in enumerate(self.seqs):
@@ -266,6 +301,10 @@ class Batch:
             T = out.shape[1]
             logits = [out[b, T - widths[b]:] if b in widths else None for b in range(B)]
         return [tree.pool() for tree in trees]
+
+    def _load(self, size: int) -> int:
+        """The batch size to plan a step of ``size`` requests for (see ``hold``)."""
+        return max([size, *self._recent]) if self.hold else size
 
     def plan(self, size: int) -> GraftConfig:
         """The config whose N, tau and D a step of ``size`` requests uses, from the policy."""

@@ -32,7 +32,8 @@ class GraftConfig:
     budget: int = 16        # N: tree nodes verified per target forward, root included
     tau: float = 0.1        # drafted node kept only if its drafter path probability >= tau
     top_k: int = 4          # K: children per expanded node, and frontier width per depth
-    max_depth: int = 6      # D: drafter expansions per step at most
+    max_depth: int = 6      # D: drafter expansions per step at most; 0: no drafting (a batch policy's
+                            # choice where drafting does not pay: retrieval and prompt lookup only)
     retrieval_k: int = 8    # k: successors kept per token in the adjacency matrix M[V, k]
     template: tuple[int, ...] = (8, 21, 25, 15, 8, 3)  # retrieval template: nodes per level (TR's 80)
     warm_from_prefill: bool = True  # fill M from the prompt's logits before the first step
@@ -49,8 +50,8 @@ class GraftConfig:
         _check(isinstance(self.budget, int) and self.budget >= 1, f"budget (N) must be an int >= 1, got {self.budget!r}")
         _check(0.0 < self.tau <= 1.0, f"tau must be in (0, 1], got {self.tau!r}")
         _check(isinstance(self.top_k, int) and self.top_k >= 1, f"top_k (K) must be an int >= 1, got {self.top_k!r}")
-        _check(isinstance(self.max_depth, int) and self.max_depth >= 1,
-               f"max_depth (D) must be an int >= 1, got {self.max_depth!r}")
+        _check(isinstance(self.max_depth, int) and self.max_depth >= 0,
+               f"max_depth (D) must be an int >= 0, got {self.max_depth!r}")
         _check(isinstance(self.retrieval_k, int) and self.retrieval_k >= 1,
                f"retrieval_k must be an int >= 1, got {self.retrieval_k!r}")
         _check(len(self.template) >= 1 and all(isinstance(s, int) and s >= 1 for s in self.template),

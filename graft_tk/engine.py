@@ -110,13 +110,14 @@ class Engine:
 
     def begin(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
               generator, on_tokens, drafter: Drafter | None = None, batched: bool = False,
-              speculating: bool = True) -> DecodeState:
+              speculating: bool = True, drafting: bool = True) -> DecodeState:
         """A request's state, after its prefill into the target cache as it stands (the caller
         sized it, or shows one row of a batch's cache). ``drafter``: the request's own drafter
         state (a batch gives each row one); default the engine's. ``batched``: verified at the full
         budget with others (static shapes, no per-step policy). ``speculating=False``: it starts in
-        a batch that does not speculate, so its prefill neither warms M nor starts its drafter
-        (the batch starts that when speculation begins)."""
+        a batch that does not speculate, so its prefill neither warms M nor starts its drafter;
+        ``drafting=False``: it starts in one that speculates without drafting (D = 0), so its
+        drafter does not start (the batch starts it when drafting begins)."""
         cfg, ops, target, tnet = self.config, self.ops, self.target, self.target.net
         device = target.device
         cand_parents, cand_source, spans = self._candidate_layout(method in USES_PROMPT_LOOKUP,
@@ -147,7 +148,7 @@ class Engine:
             dim = tnet.config.dim
             warm_adjacency(self.adjacency, prompt[0], features[:, -dim:], tnet.logits)
             features = features[:, :-dim] if layers is not None else None
-        if drafter is not None and speculating:
+        if drafter is not None and speculating and drafting and cfg.max_depth > 0:
             drafter.start(prompt[0], n + max_new_tokens + cfg.top_k * cfg.max_depth + 1, features, ops)
         seq.root = next_token(logits[-1:], temperature, top_p, generator)[0]   # on the device, as each step's bonus
         first = HOST_READS.read(seq.root)
@@ -177,7 +178,7 @@ class Engine:
         launches_before, reads_before = LAUNCHES.snapshot(), HOST_READS.count
         # 1-2. Draft with calibrated pruning: the drafter's candidate pool (empty without a drafter).
         t = seq.stats.clock()
-        if pool is None and seq.drafter is not None and (policy is None or policy.should_draft()):
+        if pool is None and seq.drafter is not None and cfg.max_depth > 0 and (policy is None or policy.should_draft()):
             step_tau = (seq.log_tau if policy is None
                         else policy.depth_log_tau(seq.draft_rates, SCORE_EDGES, seq.log_tau))
             pool = seq.drafter.draft(seq.context, seq.length, cfg, step_tau, ops)

@@ -142,3 +142,40 @@ def test_speculation_off_at_a_batch_size_and_back_on(smollm2, self_drafter, prom
     assert set(b.stats.per_step["drafter_forwards"][:shared]) == {0} and set(b.stats.per_step["committed"][:shared]) == {1}
     assert all(f >= 1 for f in b.stats.per_step["drafter_forwards"][shared:])
     assert b.stats.per_step["nodes"][shared:] and set(b.stats.per_step["nodes"][shared:]) == {16}
+
+
+def test_no_drafting_at_a_batch_size_then_drafting_again(smollm2, self_drafter, prompts, ar_alone):
+    """Policy {2: N = 4, D = 0}: while two requests share the batch they speculate without the
+    drafter (retrieval only: no drafter forward, 4-node trees); alone again, the long one drafts,
+    its drafter catching up on what it missed. Both equal their `ar` decodes."""
+    from graft_tk.config import GraftConfig
+    batch = Batch(Engine(smollm2, self_drafter), "graft", max_batch=2,
+                  policy={2: GraftConfig(budget=4, max_depth=0)})
+    a = batch.add(prompts[0], max_new_tokens=6)
+    b = batch.add(prompts[1], max_new_tokens=24)
+    while len(batch):
+        batch.step()
+    assert a.out == ar_alone[0][:6] and b.out == ar_alone[1]
+    shared, steps = len(a.stats.per_step["nodes"]), b.stats.per_step
+    assert set(steps["drafter_forwards"][:shared]) == {0} and set(steps["nodes"][:shared]) == {4}
+    assert steps["nodes"][shared:] and all(f >= 1 for f in steps["drafter_forwards"][shared:])
+
+
+def test_the_plan_holds_the_largest_size_of_the_last_steps(smollm2, self_drafter, prompts, ar_alone):
+    """hold = 3: after one of two requests leaves, the other keeps the two-request plan (here no
+    speculation) for three more steps, then speculates at its own size."""
+    from graft_tk.config import GraftConfig
+    batch = Batch(Engine(smollm2, self_drafter), "graft", max_batch=2, policy={2: GraftConfig(budget=1)}, hold=3)
+    a = batch.add(prompts[0], max_new_tokens=6)
+    b = batch.add(prompts[1], max_new_tokens=24)
+    budgets = []
+    while len(batch):
+        batch.step()
+        budgets.append(batch.last_step.budget)
+    assert a.out == ar_alone[0][:6] and b.out == ar_alone[1]
+    shared, committed = len(a.stats.per_step["nodes"]), b.stats.per_step["committed"]
+    assert committed[:shared + 3] == [1] * (shared + 3)
+    assert len(committed) > shared + 3 and set(b.stats.per_step["nodes"][shared + 3:]) == {16}
+    assert budgets == [1] * (shared + 3) + [16] * (len(committed) - shared - 3)
+    with pytest.raises(InputError, match="hold"):
+        Batch(Engine(smollm2, self_drafter), "graft", max_batch=2, hold=-1)

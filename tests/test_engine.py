@@ -133,9 +133,17 @@ def test_max_new_tokens_truncates_mid_path(smollm2, self_drafter):
         assert got.tokens == ref.tokens[:n]
 
 
+def test_depth_zero_decodes_without_the_drafter(smollm2, self_drafter):
+    """D = 0: a drafter method proposes retrieval candidates only; no drafter forward, same tokens."""
+    ref = graft_tk.decode(smollm2, "Count from 1 to 20.", max_new_tokens=24)
+    got = graft_tk.decode(smollm2, "Count from 1 to 20.", drafter=self_drafter, method="graft", max_new_tokens=24,
+                          config=GraftConfig(budget=8, max_depth=0))
+    assert got.tokens == ref.tokens and got.stats["drafter_forwards_per_step"] == 0 and got.stats["mat"] > 1
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(budget=0), "budget"), (dict(tau=0.0), "tau"), (dict(tau=1.5), "tau"), (dict(top_k=0), "top_k"),
-    (dict(max_depth=0), "max_depth"), (dict(retrieval_k=0), "retrieval_k"), (dict(template=()), "template"),
+    (dict(max_depth=-1), "max_depth"), (dict(retrieval_k=0), "retrieval_k"), (dict(template=()), "template"),
     (dict(pld_tokens=0), "pld_tokens"), (dict(pld_max_ngram=0), "pld_max_ngram"),
 ])
 def test_bad_config_is_a_clear_error(kwargs, message):

@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=1,
                    help="requests decoded together, one target forward per step for all (continuous batching); "
                         "1 decodes one at a time (default: %(default)s)")
+    p.add_argument("--policy-hold", type=int, default=8, metavar="STEPS",
+                   help="a batch plans its N, tau and D for the most requests of the last STEPS steps, so the "
+                        "gap between a client's requests does not switch the policy (default: %(default)s)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds requests in flight may finish after SIGTERM (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -72,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(f"--max-queue must be >= 1, got {args.max_queue}")
         if args.max_batch < 1:
             raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
+        if args.policy_hold < 0:
+            raise InputError(f"--policy-hold must be >= 0 steps, got {args.policy_hold}")
         if not 0 <= args.port < 65536:
             raise InputError(f"--port must be in [0, 65535], got {args.port}")
         spec = f"eagle3:{args.eagle3}" if args.eagle3 else (args.drafter or default_drafter(args.model))
@@ -92,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         policy = batch_policy(target, drafter, args.max_batch)
     plan = ", ".join(f"from {b}: N={c.budget} tau={c.tau:.3g} D={c.max_depth}" for b, c in policy.items())
     try:
-        scheduler = Scheduler(target, drafter, method, config, args.max_queue, Metrics(), args.max_batch, policy)
+        scheduler = Scheduler(target, drafter, method, config, args.max_queue, Metrics(), args.max_batch, policy,
+                              hold=args.policy_hold)
     except GraftError as e:   # e.g. a batch of an EAGLE-3 head's requests
         print(f"graft-serve: error: {e}", file=sys.stderr)
         return 2

@@ -25,10 +25,22 @@ class Metrics:
         self.latency_buckets = [0] * len(LATENCY_BUCKETS)
         self.latency_sum, self.latency_count = 0.0, 0
         self.rejected: Counter = Counter()          # HTTP status of requests refused before decoding
+        # batched steps by (requests in the step, tree budget N; 1 = no speculation)
+        self.batch_steps: Counter = Counter()
+        self.batch_step_seconds: Counter = Counter()
+        self.batch_step_tokens: Counter = Counter()
 
     def reject(self, status: int) -> None:
         with self._lock:
             self.rejected[status] += 1
+
+    def observe_step(self, record) -> None:
+        """One batched step (``graft_tk.batch.StepRecord``)."""
+        key = (record.size, record.budget)
+        with self._lock:
+            self.batch_steps[key] += 1
+            self.batch_step_seconds[key] += record.seconds
+            self.batch_step_tokens[key] += record.tokens
 
     def observe(self, job) -> None:
         """A finished job (any finish reason)."""
@@ -82,6 +94,14 @@ class Metrics:
                    [({"depth": str(d)}, n) for d, n in sorted(self.accepted_by_depth.items())])
             metric("phase_seconds_total", "counter", "Decoding time by phase of the step.",
                    [({"phase": ph}, float(t)) for ph, t in sorted(self.phase_seconds.items())])
+            by_size = sorted(self.batch_steps)
+            metric("batch_steps_total", "counter", "Batched decode steps, by requests in the step and tree budget "
+                   "(budget 1 = no speculation at that size).",
+                   [({"size": b, "budget": n}, self.batch_steps[b, n]) for b, n in by_size])
+            metric("batch_step_seconds_total", "counter", "Seconds in batched decode steps, by size and budget.",
+                   [({"size": b, "budget": n}, float(self.batch_step_seconds[b, n])) for b, n in by_size])
+            metric("batch_step_tokens_total", "counter", "Tokens committed by batched decode steps, by size and "
+                   "budget.", [({"size": b, "budget": n}, self.batch_step_tokens[b, n]) for b, n in by_size])
             metric("queue_depth", "gauge", "Requests waiting to decode.", [({}, queued)])
             metric("requests_running", "gauge", "Requests decoding now.", [({}, running)])
             name = f"{PREFIX}_request_latency_seconds"

@@ -115,13 +115,14 @@ class Scheduler:
     (``max_batch`` = 1) or up to ``max_batch`` together (continuous batching)."""
 
     def __init__(self, target: Model, drafter, method: str, config, max_queue: int, metrics: Metrics,
-                 max_batch: int = 1, policy: dict | None = None):
+                 max_batch: int = 1, policy: dict | None = None, hold: int = 8):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.target, self.drafter, self.method, self.metrics = target, drafter, method, metrics
         self.engine = None if method == "ar" and max_batch == 1 else Engine(target, drafter, config)
-        # policy: batch size -> config (N, tau and D by batch size, graft-calibrate --batch B)
-        self.batch = Batch(self.engine, method, max_batch, policy) if max_batch > 1 else None
+        # policy: batch size -> config (N, tau and D by batch size, graft-calibrate --batch B), planned
+        # for the most requests of the last ``hold`` steps (graft_tk.batch.Batch)
+        self.batch = Batch(self.engine, method, max_batch, policy, hold) if max_batch > 1 else None
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         serve = self._serve_batched if self.batch is not None else self._serve
         self._thread = threading.Thread(target=serve, name="graft-decode", daemon=True)
@@ -198,6 +199,7 @@ class Scheduler:
                     job.fail(e)
                     self.metrics.observe(job)
                 continue
+            self.metrics.observe_step(batch.last_step)
             for seq in finished:
                 self._finish(self.running.pop(id(seq)), self.engine.finish(seq))
 
