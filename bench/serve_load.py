@@ -9,8 +9,8 @@ alike): an in-process server (the real app on uvicorn, a free loopback port) wit
 and B client threads sending ``--requests-per-cell`` requests between them, each client one after
 the other, through the ``openai`` client (greedy chat completions); graft runs the budget policy by
 batch size that ``graft-calibrate --batch B`` profiles give (the pair's own profile below them).
-Reported per (B, method): requests/s, output tokens/s, p50 / p95 latency, the most requests decoded
-together, where the decode thread's time went (prefills, and steps by the number of requests in
+Which method goes first alternates from one B to the next. Reported per (B, method): requests/s,
+output tokens/s, p50 / p95 latency, the most requests decoded together, where the decode thread's time went (prefills, and steps by the number of requests in
 them and their tree budget N; N = 1 is a step without speculation), and every answer checked equal
 to the same prompt's answer under ``ar`` (greedy decoding is lossless, batched or not). With B = 1
 it also times the same requests through ``graft_tk.decode`` directly (prefill included, as the
@@ -102,10 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         d = drafter if method in USES_DRAFTER else None
         graft_tk.decode(target, encode_prompt(target, texts[0], chat=True), drafter=d, method=method,
                         max_new_tokens=8)
-    rows, reference = [], {}
-    for B in batches:
+    rows = []
+    for n, B in enumerate(batches):
         per_client = math.ceil(args.requests_per_cell / B)
-        for method in methods:
+        for method in (methods if n % 2 == 0 else methods[::-1]):   # which goes first alternates with B
             d = drafter if method in USES_DRAFTER else None
             config, source = resolve_config(target, d, method, None, None)
             policy = batch_policy(target, d, B) if method != "ar" else {}
@@ -116,10 +116,6 @@ def main(argv: list[str] | None = None) -> int:
                                   policy=policy)
             with serving_in_thread(scheduler, "bench") as url:
                 r = load(url + "/v1", texts, B, per_client, args.max_tokens)
-            answers = r.pop("answers")
-            if method == methods[0]:
-                reference.update({i: a for i, a in answers.items() if i not in reference})
-            r["same_as_reference"] = all(reference.get(i, a) == a for i, a in answers.items())
             r.update(batch=B, method=method, config=source, peak_batch=scheduler.peak_batch,
                      time_split=time_split(scheduler.metrics))
             rows.append(r)
@@ -128,13 +124,21 @@ def main(argv: list[str] | None = None) -> int:
                               for k, v in r["time_split"].items())
             print(f"B={B} {method:8s} {r['requests_per_s']:.3f} req/s {r['output_tokens_per_s']:.2f} tok/s "
                   f"p50 {r['latency_p50_s']:.1f} s p95 {r['latency_p95_s']:.1f} s peak batch {r['peak_batch']} "
-                  f"same {r['same_as_reference']}; {split}", file=sys.stderr, flush=True)
+                  f"{split}", file=sys.stderr, flush=True)
+    # every answer against the first method's answer to the same prompt (at any B)
+    reference = {}
+    for r in rows:
+        if r["method"] == methods[0]:
+            reference.update({i: a for i, a in r["answers"].items() if i not in reference})
+    for r in rows:
+        answers = r.pop("answers")
+        r["same_as_reference"] = all(i in reference and reference[i] == a for i, a in answers.items())
     single = {}
     if 1 in batches:   # the B = 1 cell's requests through graft_tk.decode, one at a time, methods interleaved
         tokens, seconds = dict.fromkeys(methods, 0), dict.fromkeys(methods, 0.0)
         for i in range(args.requests_per_cell):
             ids = encode_prompt(target, texts[i % len(texts)], chat=True)
-            for method in methods:
+            for method in (methods if i % 2 == 0 else methods[::-1]):
                 d = drafter if method in USES_DRAFTER else None
                 t = time.perf_counter()
                 tokens[method] += len(graft_tk.decode(target, ids, drafter=d, method=method,
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["| B | method | requests/s | output tok/s | vs ar | p50 latency s | p95 latency s | peak batch "
              "| same tokens |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (r["batch"], methods.index(r["method"]))):
         ar = next(x for x in rows if x["batch"] == r["batch"] and x["method"] == methods[0])
         lines.append(f"| {r['batch']} | {r['method']} | {r['requests_per_s']:.3f} | {r['output_tokens_per_s']:.2f} | "
                      f"{r['output_tokens_per_s'] / ar['output_tokens_per_s']:.2f}x | {r['latency_p50_s']:.1f} | "
