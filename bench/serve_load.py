@@ -6,7 +6,7 @@
 Every method first decodes one prompt untimed (the process's first forwards of each shape are
 slow). Then for each B, each method in turn (interleaved, so drift in the machine's speed hits all
 alike): an in-process server (the real app on uvicorn, a free loopback port) with ``max_batch`` = B,
-and B client threads sending ``--requests-per-cell`` requests between them, each client one after
+and B client processes sending ``--requests-per-cell`` requests between them, each client one after
 the other, through the ``openai`` client (greedy chat completions); graft runs the budget policy by
 batch size that ``graft-calibrate --batch B`` profiles give (the pair's own profile below them).
 Which method goes first alternates from one B to the next. Reported per (B, method): requests/s,
@@ -20,9 +20,9 @@ single-request decoding.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import math
+import multiprocessing
 import statistics
 import sys
 import time
@@ -39,25 +39,38 @@ from graft_tk.server.metrics import Metrics
 from graft_tk.server.scheduler import Scheduler
 
 
-def load(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
-    """``clients`` threads, each sending ``per_client`` requests in turn (client c asks prompts
-    c * per_client, c * per_client + 1, ...); what came back and when."""
+def run_client(url: str, prompts: list[str], c: int, per_client: int, max_tokens: int
+               ) -> list[tuple[int, str, int, float]]:
+    """Client c: ``per_client`` requests in turn, prompts c * per_client, c * per_client + 1, ...;
+    (prompt index, answer, completion tokens, seconds) for each."""
     import openai
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
+    out = []
+    for r in range(per_client):
+        i = (c * per_client + r) % len(prompts)
+        t = time.perf_counter()
+        resp = client.chat.completions.create(model="bench", messages=[{"role": "user", "content": prompts[i]}],
+                                              temperature=0, max_tokens=max_tokens)
+        out.append((i, resp.choices[0].message.content, resp.usage.completion_tokens, time.perf_counter() - t))
+    return out
 
-    def run_client(c: int) -> list[tuple[int, str, int, float]]:
-        out = []
-        for r in range(per_client):
-            i = (c * per_client + r) % len(prompts)
-            t = time.perf_counter()
-            resp = client.chat.completions.create(model="bench", messages=[{"role": "user", "content": prompts[i]}],
-                                                  temperature=0, max_tokens=max_tokens)
-            out.append((i, resp.choices[0].message.content, resp.usage.completion_tokens, time.perf_counter() - t))
-        return out
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        done = [x for per in pool.map(run_client, range(clients)) for x in per]
-    wall = time.perf_counter() - t0
+
+def _import_openai() -> None:
+    import openai  # noqa: F401
+
+
+def load(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
+    """``clients`` client processes (started, and openai imported, before the clock starts), as
+    real clients are: threads of this process would hold the interpreter lock that the server's
+    decode thread needs between its ops. What came back and when."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(clients, initializer=_import_openai) as pool:
+        pool.map(time.sleep, [0.2] * clients, chunksize=1)      # every worker up
+        t0 = time.perf_counter()
+        per = pool.starmap(run_client, [(url, prompts, c, per_client, max_tokens) for c in range(clients)],
+                           chunksize=1)
+        wall = time.perf_counter() - t0
+    done = [x for client in per for x in client]
     latencies = sorted(x[3] for x in done)
     tokens = sum(x[2] for x in done)
     return {"requests": len(done), "seconds": wall, "requests_per_s": len(done) / wall,
