@@ -4,12 +4,13 @@
         --prompts "humaneval#8" --requests-per-cell 16 --max-tokens 32 [--json OUT]
 
 Every method first decodes one prompt untimed (the process's first forwards of each shape are
-slow). Then for each B, each method in turn (interleaved, so drift in the machine's speed hits all
-alike): an in-process server (the real app on uvicorn, a free loopback port) with ``max_batch`` = B,
+slow). Then for each B > 1, each method in turn: an in-process server (the real app on uvicorn, a free loopback port) with ``max_batch`` = B,
 and B client processes sending ``--requests-per-cell`` requests between them, each client one after
 the other, through the ``openai`` client (greedy chat completions); graft runs the budget policy by
 batch size that ``graft-calibrate --batch B`` profiles give (the pair's own profile below them).
-Which method goes first alternates from one B to the next. Reported per (B, method): requests/s,
+Which method goes first alternates from one B to the next. For B = 1 every method's server runs at
+once and the one client sends each request to each in turn (request-level interleaving: this
+machine's speed drifts by 10-15% over minutes, more than two sequential cells can tell apart). Reported per (B, method): requests/s,
 output tokens/s, p50 / p95 latency, the most requests decoded together, where the decode thread's time went (prefills, and steps by the number of requests in
 them and their tree budget N; N = 1 is a step without speculation), and every answer checked equal
 to the same prompt's answer under ``ar`` (greedy decoding is lossless, batched or not). With B = 1
@@ -20,6 +21,7 @@ single-request decoding.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing
@@ -39,45 +41,54 @@ from graft_tk.server.metrics import Metrics
 from graft_tk.server.scheduler import Scheduler
 
 
-def run_client(url: str, prompts: list[str], c: int, per_client: int, max_tokens: int
-               ) -> list[tuple[int, str, int, float]]:
-    """Client c: ``per_client`` requests in turn, prompts c * per_client, c * per_client + 1, ...;
-    (prompt index, answer, completion tokens, seconds) for each."""
+def run_client(urls: list[str], prompts: list[str], c: int, per_client: int, max_tokens: int
+               ) -> list[tuple[int, int, str, int, float]]:
+    """Client c: ``per_client`` requests in turn, prompts c * per_client, c * per_client + 1, ...,
+    each sent to every server of ``urls`` one after the other (which first alternates);
+    (server, prompt index, answer, completion tokens, seconds) for each."""
     import openai
-    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
+    clients = [openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600) for url in urls]
     out = []
     for r in range(per_client):
         i = (c * per_client + r) % len(prompts)
-        t = time.perf_counter()
-        resp = client.chat.completions.create(model="bench", messages=[{"role": "user", "content": prompts[i]}],
-                                              temperature=0, max_tokens=max_tokens)
-        out.append((i, resp.choices[0].message.content, resp.usage.completion_tokens, time.perf_counter() - t))
+        for k in (range(len(urls)) if i % 2 == 0 else reversed(range(len(urls)))):
+            t = time.perf_counter()
+            resp = clients[k].chat.completions.create(model="bench", temperature=0, max_tokens=max_tokens,
+                                                      messages=[{"role": "user", "content": prompts[i]}])
+            out.append((k, i, resp.choices[0].message.content, resp.usage.completion_tokens, time.perf_counter() - t))
     return out
 
 
 def _import_openai() -> None:
-    import openai  # noqa: F401
+    import openai  # noqa: F401 - imported once per client process, before the clock
 
 
-def load(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
+def load(urls: list[str], prompts: list[str], clients: int, per_client: int, max_tokens: int) -> list[dict]:
     """``clients`` client processes (started, and openai imported, before the clock starts), as
     real clients are: threads of this process would hold the interpreter lock that the server's
-    decode thread needs between its ops. What came back and when."""
+    decode thread needs between its ops. What came back from each server and when. With several
+    servers (one client), each one's time is the sum of its requests' latencies: the client
+    waits on one server at a time, so the servers take turns request by request and drift in
+    the machine's speed hits them alike."""
+    assert len(urls) == 1 or clients == 1, "several servers take one client"
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(clients, initializer=_import_openai) as pool:
         pool.map(time.sleep, [0.2] * clients, chunksize=1)      # every worker up
         t0 = time.perf_counter()
-        per = pool.starmap(run_client, [(url, prompts, c, per_client, max_tokens) for c in range(clients)],
+        per = pool.starmap(run_client, [(urls, prompts, c, per_client, max_tokens) for c in range(clients)],
                            chunksize=1)
         wall = time.perf_counter() - t0
-    done = [x for client in per for x in client]
-    latencies = sorted(x[3] for x in done)
-    tokens = sum(x[2] for x in done)
-    return {"requests": len(done), "seconds": wall, "requests_per_s": len(done) / wall,
-            "output_tokens_per_s": tokens / wall, "output_tokens": tokens,
-            "latency_p50_s": statistics.median(latencies),
-            "latency_p95_s": latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))],
-            "answers": {i: text for i, text, _, _ in done}}
+    results = []
+    for k in range(len(urls)):
+        done = [x for client in per for x in client if x[0] == k]
+        latencies = sorted(x[4] for x in done)
+        tokens, seconds = sum(x[3] for x in done), wall if len(urls) == 1 else sum(latencies)
+        results.append({"requests": len(done), "seconds": seconds, "requests_per_s": len(done) / seconds,
+                        "output_tokens_per_s": tokens / seconds, "output_tokens": tokens,
+                        "latency_p50_s": statistics.median(latencies),
+                        "latency_p95_s": latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))],
+                        "answers": {i: text for _, i, text, _, _ in done}})
+    return results
 
 
 def time_split(metrics: Metrics) -> dict:
@@ -87,6 +98,14 @@ def time_split(metrics: Metrics) -> dict:
         out[f"B{size} N{budget}"] = {"steps": n, "seconds": metrics.batch_step_seconds[size, budget],
                                      "tokens": metrics.batch_step_tokens[size, budget]}
     return out
+
+
+def report(r: dict) -> None:
+    split = ", ".join(f"{k} {v['seconds']:.1f} s" + (f" {v['tokens'] / v['seconds']:.1f} tok/s" if "tokens" in v
+                                                     and v["seconds"] else "") for k, v in r["time_split"].items())
+    print(f"B={r['batch']} {r['method']:8s} {r['requests_per_s']:.3f} req/s {r['output_tokens_per_s']:.2f} tok/s "
+          f"p50 {r['latency_p50_s']:.1f} s p95 {r['latency_p95_s']:.1f} s peak batch {r['peak_batch']} {split}",
+          file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,29 +134,32 @@ def main(argv: list[str] | None = None) -> int:
         d = drafter if method in USES_DRAFTER else None
         graft_tk.decode(target, encode_prompt(target, texts[0], chat=True), drafter=d, method=method,
                         max_new_tokens=8)
+    def server(method: str, B: int) -> tuple[Scheduler, str]:
+        d = drafter if method in USES_DRAFTER else None
+        config, source = resolve_config(target, d, method, None, None)
+        policy = batch_policy(target, d, B) if method != "ar" else {}
+        if policy:
+            source += "; by batch size " + ", ".join(f"{b}: N={c.budget} tau={c.tau:.3g} D={c.max_depth}"
+                                                     for b, c in policy.items())
+        return Scheduler(target, d, method, config, max_queue=256, metrics=Metrics(), max_batch=B,
+                         policy=policy), source
+
     rows = []
     for n, B in enumerate(batches):
         per_client = math.ceil(args.requests_per_cell / B)
-        for method in (methods if n % 2 == 0 else methods[::-1]):   # which goes first alternates with B
-            d = drafter if method in USES_DRAFTER else None
-            config, source = resolve_config(target, d, method, None, None)
-            policy = batch_policy(target, d, B) if method != "ar" else {}
-            if policy:
-                source += "; by batch size " + ", ".join(f"{b}: N={c.budget} tau={c.tau:.3g} D={c.max_depth}"
-                                                         for b, c in policy.items())
-            scheduler = Scheduler(target, d, method, config, max_queue=256, metrics=Metrics(), max_batch=B,
-                                  policy=policy)
-            with serving_in_thread(scheduler, "bench") as url:
-                r = load(url + "/v1", texts, B, per_client, args.max_tokens)
-            r.update(batch=B, method=method, config=source, peak_batch=scheduler.peak_batch,
-                     time_split=time_split(scheduler.metrics))
-            rows.append(r)
-            split = ", ".join(f"{k} {v['seconds']:.1f} s" + (f" {v['tokens'] / v['seconds']:.1f} tok/s" if "tokens" in v
-                                                             and v["seconds"] else "")
-                              for k, v in r["time_split"].items())
-            print(f"B={B} {method:8s} {r['requests_per_s']:.3f} req/s {r['output_tokens_per_s']:.2f} tok/s "
-                  f"p50 {r['latency_p50_s']:.1f} s p95 {r['latency_p95_s']:.1f} s peak batch {r['peak_batch']} "
-                  f"{split}", file=sys.stderr, flush=True)
+        # B = 1: every method's server at once, the one client sending each request to each in
+        # turn; B > 1: one method after the other (which first alternates with B)
+        groups = [methods] if B == 1 else [[m] for m in (methods if n % 2 == 0 else methods[::-1])]
+        for group in groups:
+            servers = [server(method, B) for method in group]
+            with contextlib.ExitStack() as stack:
+                urls = [stack.enter_context(serving_in_thread(s, "bench")) + "/v1" for s, _ in servers]
+                results = load(urls, texts, B, per_client, args.max_tokens)
+            for method, (scheduler, source), r in zip(group, servers, results):
+                r.update(batch=B, method=method, config=source, peak_batch=scheduler.peak_batch,
+                         time_split=time_split(scheduler.metrics))
+                rows.append(r)
+                report(r)
     # every answer against the first method's answer to the same prompt (at any B)
     reference = {}
     for r in rows:
