@@ -298,3 +298,10 @@ def test_sigterm_lets_the_request_in_flight_finish_and_exits(smollm2):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("flag, value", [("--max-batch", "0"), ("--policy-hold", "-1"), ("--max-queue", "0")])
+def test_bad_serve_flags_are_clear_errors_before_loading(flag, value, capsys):
+    from graft_tk.cli import serve
+    assert serve.main(["--model", NAME, flag, value]) == 2
+    assert flag in capsys.readouterr().err
