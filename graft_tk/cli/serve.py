@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_batch > 1 and method != "ar":
         from ..calibration.profiles import batch_policy
         policy = batch_policy(target, drafter, args.max_batch)
+        if not policy:   # on a CPU the single-request config can be slower than ar in a batch
+            logging.getLogger("graft_tk.server").warning(
+                "no batch-size profile for this pair: batches of 2 to %d use the single-request config; "
+                "graft-calibrate --model %s --batch B finds N, tau and D for B requests", args.max_batch, args.model)
     plan = ", ".join(f"from {b}: N={c.budget} tau={c.tau:.3g} D={c.max_depth}" for b, c in policy.items())
     try:
         scheduler = Scheduler(target, drafter, method, config, args.max_queue, Metrics(), args.max_batch, policy,
