@@ -122,7 +122,8 @@ class Engine:
         device = target.device
         cand_parents, cand_source, spans = self._candidate_layout(method in USES_PROMPT_LOOKUP,
                                                                    method in USES_RETRIEVAL)
-        drafter = (drafter or self.drafting) if method in USES_DRAFTER else None
+        # D = 0 alone: no drafter at all (a batch keeps each row's, for the sizes that draft)
+        drafter = (drafter or self.drafting) if method in USES_DRAFTER and (batched or cfg.max_depth > 0) else None
         # Adaptive (a cost model, a method that prunes): the drafting depth every step, and the
         # budget too where the verify's size may change (not with static shapes).
         policy = self.policy if method in PRUNES and not batched else None
@@ -148,7 +149,7 @@ class Engine:
             dim = tnet.config.dim
             warm_adjacency(self.adjacency, prompt[0], features[:, -dim:], tnet.logits)
             features = features[:, :-dim] if layers is not None else None
-        if drafter is not None and speculating and drafting and cfg.max_depth > 0:
+        if drafter is not None and speculating and drafting:
             drafter.start(prompt[0], n + max_new_tokens + cfg.top_k * cfg.max_depth + 1, features, ops)
         seq.root = next_token(logits[-1:], temperature, top_p, generator)[0]   # on the device, as each step's bonus
         first = HOST_READS.read(seq.root)
@@ -178,7 +179,7 @@ class Engine:
         launches_before, reads_before = LAUNCHES.snapshot(), HOST_READS.count
         # 1-2. Draft with calibrated pruning: the drafter's candidate pool (empty without a drafter).
         t = seq.stats.clock()
-        if pool is None and seq.drafter is not None and cfg.max_depth > 0 and (policy is None or policy.should_draft()):
+        if pool is None and seq.drafter is not None and (policy is None or policy.should_draft()):
             step_tau = (seq.log_tau if policy is None
                         else policy.depth_log_tau(seq.draft_rates, SCORE_EDGES, seq.log_tau))
             pool = seq.drafter.draft(seq.context, seq.length, cfg, step_tau, ops)
