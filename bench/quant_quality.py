@@ -90,9 +90,9 @@ def main() -> None:
     done = {r["task_id"] for r in runs}
     models = {q: graft_tk.load_model(args.model, dtype=args.dtype, quant=q) for q in quants}
     t0 = time.perf_counter()
-    for problem in tqdm(problems, desc="humaneval", unit="problem", file=sys.stderr, initial=len(done)):
-        if problem["task_id"] in done:
-            continue
+    todo = [problem for problem in problems if problem["task_id"] not in done]
+    for problem in tqdm(todo, desc="humaneval", unit="problem", file=sys.stderr, initial=len(problems) - len(todo),
+                        total=len(problems)):
         reference = None
         for quant in quants:
             model = models[quant]

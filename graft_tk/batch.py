@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .backend import HOST_READS
 from .config import METHODS, PRUNES, USES_DRAFTER, GraftConfig
-from .drafting import DraftPool, Expansion, ModelDrafter
+from .drafting import DraftPool, Expansion, ModelDrafter, drafter_cache_slots
 from .engine import DecodeState, Engine
 from .errors import InputError
 from .models.transformer import cache_visibility
@@ -117,7 +117,7 @@ class Batch:
             raise InputError(f"the batch is full ({self.max_batch} requests); step until one finishes")
         cfg = self.engine.config
         # Slots a row needs: its tokens and a drafter's scratch; the trees' N slots after them.
-        self._reserve(len(ids) + max_new_tokens + cfg.top_k * self.max_depth + 1 + self.max_budget)
+        self._reserve(drafter_cache_slots(len(ids) + max_new_tokens, cfg.top_k, self.max_depth) + self.max_budget)
         row = len(self.seqs)
         drafter = self._free_drafters.pop() if self._free_drafters else None
         # Where the batch it joins does not speculate (N = 1), its prefill neither warms M nor starts
@@ -235,7 +235,7 @@ class Batch:
         cfg, ops = self.engine.config, self.engine.ops
         for row, seq in enumerate(self.seqs):
             if seq in self._cold:
-                slots = seq.prompt_tokens + seq.max_new_tokens + cfg.top_k * self.max_depth + 1
+                slots = drafter_cache_slots(seq.prompt_tokens + seq.max_new_tokens, cfg.top_k, self.max_depth)
                 with self._rows(row):
                     seq.drafter.start(seq.context[:seq.length - 1], slots, None, ops)
                 self._cold.discard(seq)

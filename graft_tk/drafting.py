@@ -87,6 +87,12 @@ class Drafter(Protocol):
         as read on the host, ``features`` [N, F] the verify forward's."""
 
 
+def drafter_cache_slots(tokens: int, top_k: int, max_depth: int) -> int:
+    """Slots a drafter's cache needs for a request of ``tokens`` (prompt + new tokens): each of them
+    once committed, and a step's scratch above them: ``top_k`` nodes per depth and the root."""
+    return tokens + top_k * max_depth + 1
+
+
 # Runs one depth's frontier: (tokens [F], parent_rows [F] = each node's parent's row in the previous
 # forward's logits, positions [F], start, attn_mask, mask_prefix) -> logits [F, V].
 FrontierForward = Callable[[Tensor, Tensor, Tensor, int, Tensor, int], Tensor]

@@ -18,7 +18,7 @@ from .acceptance import SCORE_EDGES, AcceptanceEstimates
 from .backend import HOST_READS, LAUNCHES
 from .compiled import StepForward
 from .config import PRUNES, USES_DRAFTER, USES_PROMPT_LOOKUP, USES_RETRIEVAL, GraftConfig
-from .drafting import DraftPool, Drafter, as_drafter
+from .drafting import DraftPool, Drafter, as_drafter, drafter_cache_slots
 from .errors import InputError
 from .models import Model
 from .models.eagle3 import Eagle3Head
@@ -150,7 +150,7 @@ class Engine:
             warm_adjacency(self.adjacency, prompt[0], features[:, -dim:], tnet.logits)
             features = features[:, :-dim] if layers is not None else None
         if drafter is not None and speculating and drafting:
-            drafter.start(prompt[0], n + max_new_tokens + cfg.top_k * cfg.max_depth + 1, features, ops)
+            drafter.start(prompt[0], drafter_cache_slots(n + max_new_tokens, cfg.top_k, cfg.max_depth), features, ops)
         seq.root = next_token(logits[-1:], temperature, top_p, generator)[0]   # on the device, as each step's bonus
         first = HOST_READS.read(seq.root)
         seq.out = [first]

@@ -200,6 +200,21 @@ def test_every_method_equals_ar_greedy_on_quantized_smollm2(quant, smollm2_gguf)
         assert got.tokens == ref.tokens, method
 
 
+def test_an_int4_all_drafter_under_an_int4_target_stays_lossless(smollm2_gguf):
+    """int4-all re-quantizes the Q8_0-born LM head to 4 bits (every linear layer int4, a smaller
+    cache); as a drafter it changes what is proposed, never what is output."""
+    drafter = graft_tk.load_model("smollm2-135m", dtype="fp32", quant="int4-all", progress=False)
+    target = graft_tk.load_model("smollm2-135m", dtype="fp32", quant="int4", progress=False)
+    formats = json.loads((drafter.path / "quant.json").read_text())["formats"]
+    assert drafter.path.name == "smollm2-135m-int4-all" and set(formats.values()) == {"int4"}
+    size = lambda p: sum(f.stat().st_size for f in p.iterdir())  # noqa: E731
+    assert size(drafter.path) < size(target.path)
+    ids = encode_prompt(target, "Write a Python function that checks whether a string is a palindrome.", chat=True)
+    ref = graft_tk.decode(target, ids, max_new_tokens=24)
+    got = graft_tk.decode(target, ids, drafter=drafter, method="graft", max_new_tokens=24, config=GraftConfig(budget=12))
+    assert got.tokens == ref.tokens and got.stats["accepted_by_source"]["draft"] > 0
+
+
 def test_corrupt_quant_file_is_detected(tmp_path, smollm2_int4):
     from graft_tk.models.checkpoint import quant_of
     (tmp_path / "quant.json").write_text("{not json")
@@ -231,7 +246,7 @@ def test_int4_keeps_4bit_tensors_and_gives_finer_ones_int8():
              "model.layers.0.mlp.gate_proj.weight": "Q4_K", "model.layers.0.mlp.up_proj.weight": "Q4_K",
              "model.layers.0.mlp.down_proj.weight": "Q6_K", "model.embed_tokens.weight": "Q4_K",
              "model.layers.0.input_layernorm.weight": "F32", "lm_head.weight": "Q6_K"}
-    plan = [(name, SimpleNamespace(tensor_type=SimpleNamespace(name=kind)), (), None) for name, kind in kinds.items()]
+    plan = [(name, SimpleNamespace(tensor_type=SimpleNamespace(name=kind)), (64, 96), None) for name, kind in kinds.items()]
     formats = _linear_formats(plan, "int4")
     assert {n.split(".")[-2]: f for n, f in formats.items()} == {
         "q_proj": "int8", "k_proj": "int8", "v_proj": "int8", "o_proj": "int4", "gate_proj": "int4",
@@ -239,3 +254,6 @@ def test_int4_keeps_4bit_tensors_and_gives_finer_ones_int8():
     assert set(_linear_formats(plan, "int8").values()) == {"int8"}
     tied = [p for p in plan if p[0] != "lm_head.weight"]          # the head is made from the Q4_K embedding
     assert _linear_formats(tied, "int4")["lm_head.weight"] == "int4"
+    assert set(_linear_formats(plan, "int4-all").values()) == {"int4"}   # a drafter's: the finer ones lose bits
+    odd = [(n, t, (64, 100), h) if n == "lm_head.weight" else (n, t, s, h) for n, t, s, h in plan]
+    assert _linear_formats(odd, "int4-all")["lm_head.weight"] == "int8"   # 100 inputs do not split into groups

@@ -33,7 +33,7 @@ class Model:
     config: ModelConfig
     tokenizer: Tokenizer
     net: Transformer
-    quant: str = "none"     # "none", "int8" or "int4" (graft_tk.models.quant)
+    quant: str = "none"     # "none", "int8", "int4" or "int4-all" (graft_tk.models.quant)
 
     @property
     def device(self) -> torch.device:
@@ -78,7 +78,8 @@ def load_model(name_or_path: str | Path, *, dtype=None, device=None, num_layers:
     dtype: torch dtype or "fp32" / "bf16" / "fp16"; default bf16.
     device: default "cuda" when available, else "cpu".
     num_layers: keep only the first L decoder layers (+ final norm and head) — a self-drafter.
-    quant: "none" | "int8" | "int4": weight-only quantized linear layers (``graft_tk.models.quant``);
+    quant: "none" | "int8" | "int4" | "int4-all": weight-only quantized linear layers
+        (``graft_tk.models.quant``; int4-all re-quantizes what a GGUF stores finer, for drafters);
         a GGUF model is quantized from its blocks once into its own cache folder, others on load.
         dtype is then the compute dtype (activations, scales, KV cache); on a CPU use bf16: torch's
         packed kernels are fast for bf16 activations and slow for fp32 ones.

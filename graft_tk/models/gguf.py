@@ -246,16 +246,20 @@ def _linear_formats(plan, quant: str) -> dict[str, str]:
     """HF linear weight name -> "int4" / "int8". int8 quantizes everything per output channel. int4
     keeps 4-bit tensors (Q4_0, Q4_1, Q4_K: groups of 32) 4-bit and gives those stored finer in the
     GGUF (Q5_x, Q6_K, Q8_0, F16, F32) int8 per output channel, the nearest format that does not
-    lose their extra bits; a fused matmul takes the finer format of its parts. A tied LM head
+    lose their extra bits; a fused matmul takes the finer format of its parts. int4-all makes every
+    one int4 (re-quantizing the finer ones: a drafter's format, see ``quant.QUANTS``). A tied LM head
     (no ``lm_head.weight``) is made from the embedding and named ``lm_head.weight`` here."""
-    linear = {name: t.tensor_type.name for name, t, _, _ in plan
+    linear = {name: (t.tensor_type.name, shape) for name, t, shape, _ in plan
               if name.endswith("_proj.weight") or name == "lm_head.weight"}
     if "lm_head.weight" not in linear:
-        linear["lm_head.weight"] = next(t.tensor_type.name for name, t, _, _ in plan if name == "model.embed_tokens.weight")
+        linear["lm_head.weight"] = next((t.tensor_type.name, shape) for name, t, shape, _ in plan
+                                        if name == "model.embed_tokens.weight")
     if quant == "int8":
         return dict.fromkeys(linear, "int8")
+    if quant == "int4-all":    # int8 only where the input width does not split into groups
+        return {name: "int4" if shape[-1] % 32 == 0 else "int8" for name, (_, shape) in linear.items()}
     four_bit: dict[str, bool] = {}                      # matmul -> all its parts are 4-bit
-    for name, kind in linear.items():
+    for name, (kind, _) in linear.items():
         four_bit[_matmul_of(name)] = four_bit.get(_matmul_of(name), True) and kind in _FOUR_BIT
     return {name: "int4" if four_bit[_matmul_of(name)] else "int8" for name in linear}
 

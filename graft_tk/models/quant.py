@@ -24,12 +24,14 @@ from torch import Tensor, nn
 from ..errors import InputError
 from ..reference import quant_matmul as reference
 
-QUANTS = ("none", "int8", "int4")
+# "int4-all": every linear layer int4, those the GGUF stores finer (Q5_x, Q6_K, Q8_0) re-quantized to
+# 4 bits too; for a drafter, whose lost bits cost acceptance, never output (verification is exact).
+QUANTS = ("none", "int8", "int4", "int4-all")
 GROUP = 32                 # int4 group: GGUF's Q4_0 / Q4_1 block and Q4_K sub-block
 
 
 def check_quant(quant: str | None) -> str:
-    """``quant`` checked: "none" (also for None), "int8" or "int4"."""
+    """``quant`` checked: "none" (also for None), "int8", "int4" or "int4-all"."""
     quant = quant or "none"
     if quant not in QUANTS:
         raise InputError(f"unknown quantization {quant!r}; use one of {', '.join(QUANTS)}")
@@ -103,7 +105,7 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_float(cls, weight: Tensor, bias: Tensor | None, mode: str, dtype: torch.dtype) -> "QuantLinear":
         """Quantize a float weight [N, K] (int4 falls back to int8 when K is not a multiple of 32)."""
-        if mode == "int4" and weight.shape[1] % GROUP == 0:
+        if mode in ("int4", "int4-all") and weight.shape[1] % GROUP == 0:
             return cls(*quantize_int4(weight), bias, dtype)
         return cls(*quantize_int8(weight), None, bias, dtype)
 
@@ -144,8 +146,9 @@ def linear_names(net: nn.Module) -> list[str]:
 
 def quantize_model(net: nn.Module, quant: str, formats: dict[str, str] | None = None) -> nn.Module:
     """Replace every linear layer of a float Transformer (in place) by a QuantLinear of ``quant``
-    ("int8" / "int4"; ``formats`` may give a layer its own), the LM head included: a tied head
-    becomes its own quantized ``output`` and the embedding stays float. Returns ``net``."""
+    ("int8" / "int4"; "int4-all" is int4 here; ``formats`` may give a layer its own), the LM head
+    included: a tied head becomes its own quantized ``output`` and the embedding stays float.
+    Returns ``net``."""
     quant = check_quant(quant)
     if quant == "none":
         return net
