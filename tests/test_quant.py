@@ -94,6 +94,28 @@ def test_cpu_packed_layer_matches_the_reference_and_is_row_invariant(mode, dtype
     torch.testing.assert_close(layer.dequantized().float(), w, rtol=rtol, atol=atol * w.abs().max().item())
 
 
+def test_a_wide_int8_call_in_bf16_runs_one_gemm_on_the_exact_weights(monkeypatch):
+    """From WIDE_ROWS rows (a prefill) on a CPU with native bf16, an int8 layer converts its weight
+    into the process's scratch and runs one bf16 GEMM: the reference's product within bf16's rounding,
+    narrower calls still the packed kernel's. Forced here, so that it runs on any CPU."""
+    from graft_tk.models import quant
+    monkeypatch.setattr(quant, "native_bf16_cpu", lambda: True)
+    torch.manual_seed(3)
+    N, K = 96, 256
+    q, s, _ = _weights("int8", N, K, torch.float32)
+    bias = torch.randn(N)
+    layer = QuantLinear(q, s, None, bias, torch.bfloat16)
+    assert layer.wide and not QuantLinear(q, s, None, bias, torch.float32).wide
+    x = torch.randn(quant.WIDE_ROWS, K).to(torch.bfloat16)
+    want = quant_matmul(x, q, s.to(torch.bfloat16), None, 32, bias.to(torch.bfloat16))
+    rtol, atol = QUANT_MATMUL_TOL[torch.bfloat16]
+    y = layer(x)
+    torch.testing.assert_close(y.float(), want.float(), rtol=rtol, atol=atol * want.abs().max().item())
+    packed = torch.ops.aten._weight_int8pack_mm(x[:8].contiguous(), layer.qweight, layer.scales) + layer.bias
+    assert torch.equal(layer(x[:8]), packed)
+    assert layer(x).data_ptr() != quant._scratch[x.device].data_ptr()   # the output is never the scratch
+
+
 def test_an_int8_weight_that_starts_off_a_cache_line_is_realigned():
     """torch's int8 CPU kernel crashed (SIGSEGV) on the 0.5B drafter's weights, which safetensors
     had left 8-byte aligned, once 4 or more rows were multiplied: the layer keeps aligned copies."""

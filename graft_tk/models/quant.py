@@ -12,13 +12,18 @@ uses both q = 0 and q = 15 (most do; the rest are re-quantized within the group'
 Where the matmul runs:
   * CPU: torch's packed kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``; the
     int4 weight is repacked into their layout at load and its scales and zeros into one
-    [K / 32, N, 2] tensor);
+    [K / 32, N, 2] tensor); an int8 layer's prefill-wide call on a CPU with native bf16: its
+    weight converted to bf16, one GEMM, then the scales (``WIDE_ROWS``);
   * CUDA: the Triton kernel ``graft_tk.kernels.quant_matmul`` (W4A16 / W8A16);
   * anywhere else: the torch reference.
 """
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import InputError
@@ -62,6 +67,32 @@ def quantize_int4(w: Tensor, group: int = GROUP) -> tuple[Tensor, Tensor, Tensor
     return packed, scales, lo + 8 * scales
 
 
+# From this many rows (a prefill), an int8 layer of up to WIDE_ELEMENTS weights in bf16 copies its
+# weight into a bf16 scratch buffer kept for the process and runs one bf16 GEMM, on a CPU with native
+# bf16 (AVX-512 BF16 / AMX) where torch's packed kernel is compute-bound (see README, Quantized weights).
+WIDE_ROWS = 64
+WIDE_ELEMENTS = 1 << 25     # a 64 MiB scratch: every layer of the built-in models but a LM head
+_scratch: dict[torch.device, Tensor] = {}
+
+
+def _bf16_weight(q: Tensor) -> Tensor:
+    """``q`` (int8) as bf16 in the process's scratch buffer (a fresh 50 MB tensor would cost 8x the copy)."""
+    buf = _scratch.get(q.device)
+    if buf is None or buf.numel() < q.numel():
+        buf = _scratch[q.device] = torch.empty(WIDE_ELEMENTS, dtype=torch.bfloat16, device=q.device)
+    return buf[:q.numel()].view(q.shape).copy_(q)
+
+
+@functools.cache
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX; Linux's /proc/cpuinfo)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def _aligned(t: Tensor) -> Tensor:
     """``t`` contiguous and starting on a 64-byte boundary: torch's int8 CPU kernel crashes from 4
     rows of activations up on a weight that does not (seen with safetensors-loaded tensors, which
@@ -88,6 +119,8 @@ class QuantLinear(nn.Module):
         # torch's CPU kernels (int4: N a multiple of 16); else the Triton kernel or the reference
         self.cpu = qweight.device.type == "cpu" and (self.mode == "int8" or self.out_features % 16 == 0)
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self.wide = (self.cpu and self.mode == "int8" and qweight.numel() <= WIDE_ELEMENTS and dtype == torch.bfloat16
+                     and native_bf16_cpu())
         if self.mode == "int8":
             self.register_buffer("qweight", _aligned(qweight.to(torch.int8)))
             self.register_buffer("scales", _aligned(scales.to(dtype)))
@@ -114,7 +147,9 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.cpu:
             x2 = x2.contiguous()
-            if self.mode == "int8":
+            if self.wide and x2.shape[0] >= WIDE_ROWS and x2.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+                y = F.linear(x2, _bf16_weight(self.qweight)) * self.scales      # exact weights, one GEMM
+            elif self.mode == "int8":
                 y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
             else:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales)
