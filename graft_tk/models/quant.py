@@ -67,11 +67,11 @@ def quantize_int4(w: Tensor, group: int = GROUP) -> tuple[Tensor, Tensor, Tensor
     return packed, scales, lo + 8 * scales
 
 
-# From this many rows (a prefill), an int8 layer of up to WIDE_ELEMENTS weights in bf16 copies its
-# weight into a bf16 scratch buffer kept for the process and runs one bf16 GEMM, on a CPU with native
+# From this many rows (a prefill), an int8 layer in bf16 copies its weight into a bf16 scratch buffer
+# kept for the process, WIDE_ELEMENTS weights at a time, and runs bf16 GEMMs, on a CPU with native
 # bf16 (AVX-512 BF16 / AMX) where torch's packed kernel is compute-bound (see README, Quantized weights).
 WIDE_ROWS = 64
-WIDE_ELEMENTS = 1 << 25     # a 64 MiB scratch: every layer of the built-in models but a LM head
+WIDE_ELEMENTS = 1 << 25     # a 64 MiB scratch: a whole layer of the built-in models, an LM head in parts
 _scratch: dict[torch.device, Tensor] = {}
 
 
@@ -79,7 +79,7 @@ def _bf16_weight(q: Tensor) -> Tensor:
     """``q`` (int8) as bf16 in the process's scratch buffer (a fresh 50 MB tensor would cost 8x the copy)."""
     buf = _scratch.get(q.device)
     if buf is None or buf.numel() < q.numel():
-        buf = _scratch[q.device] = torch.empty(WIDE_ELEMENTS, dtype=torch.bfloat16, device=q.device)
+        buf = _scratch[q.device] = torch.empty(max(WIDE_ELEMENTS, q.numel()), dtype=torch.bfloat16, device=q.device)
     return buf[:q.numel()].view(q.shape).copy_(q)
 
 
@@ -119,8 +119,7 @@ class QuantLinear(nn.Module):
         # torch's CPU kernels (int4: N a multiple of 16); else the Triton kernel or the reference
         self.cpu = qweight.device.type == "cpu" and (self.mode == "int8" or self.out_features % 16 == 0)
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
-        self.wide = (self.cpu and self.mode == "int8" and qweight.numel() <= WIDE_ELEMENTS and dtype == torch.bfloat16
-                     and native_bf16_cpu())
+        self.wide = self.cpu and self.mode == "int8" and dtype == torch.bfloat16 and native_bf16_cpu()
         if self.mode == "int8":
             self.register_buffer("qweight", _aligned(qweight.to(torch.int8)))
             self.register_buffer("scales", _aligned(scales.to(dtype)))
@@ -148,7 +147,7 @@ class QuantLinear(nn.Module):
         if self.cpu:
             x2 = x2.contiguous()
             if self.wide and x2.shape[0] >= WIDE_ROWS and x2.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
-                y = F.linear(x2, _bf16_weight(self.qweight)) * self.scales      # exact weights, one GEMM
+                y = self._wide(x2)
             elif self.mode == "int8":
                 y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
             else:
@@ -162,6 +161,13 @@ class QuantLinear(nn.Module):
                 quant_matmul = reference.quant_matmul
             y = quant_matmul(x2, self.qweight, self.scales, self.zeros, self.group, self.bias)
         return y.reshape(*lead, self.out_features)
+
+    def _wide(self, x: Tensor) -> Tensor:
+        """``x W^T`` by bf16 GEMMs over the exact weights, a scratch-sized block of outputs at a time."""
+        step = max(1, WIDE_ELEMENTS // self.in_features)
+        parts = [F.linear(x, _bf16_weight(self.qweight[i:i + step])) * self.scales[i:i + step]
+                 for i in range(0, self.out_features, step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def dequantized(self) -> Tensor:
         """The float weight [N, K] this layer multiplies by (for tools that need it, e.g. EAGLE-3 training)."""
