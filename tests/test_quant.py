@@ -115,7 +115,7 @@ def test_a_wide_int8_call_in_bf16_runs_one_gemm_on_the_exact_weights(monkeypatch
     torch.testing.assert_close(y.float(), want.float(), rtol=rtol, atol=atol * want.abs().max().item())
     packed = torch.ops.aten._weight_int8pack_mm(x[:8].contiguous(), layer.qweight, layer.scales) + layer.bias
     assert torch.equal(layer(x[:8]), packed)
-    assert layer(x).data_ptr() != quant._scratch[x.device].data_ptr()   # the output is never the scratch
+    assert layer(x).data_ptr() != quant._scratch.buf.data_ptr()   # the output is never the scratch
 
 
 def test_an_int8_weight_that_starts_off_a_cache_line_is_realigned():

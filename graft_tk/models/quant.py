@@ -12,14 +12,15 @@ uses both q = 0 and q = 15 (most do; the rest are re-quantized within the group'
 Where the matmul runs:
   * CPU: torch's packed kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``; the
     int4 weight is repacked into their layout at load and its scales and zeros into one
-    [K / 32, N, 2] tensor); an int8 layer's prefill-wide call on a CPU with native bf16: its
-    weight converted to bf16, one GEMM, then the scales (``WIDE_ROWS``);
+    [K / 32, N, 2] tensor); an int8 layer's prefill-wide call in bf16 on a CPU with native bf16:
+    its weight converted to bf16 in a scratch, bf16 GEMMs, then the scales (``WIDE_ROWS``);
   * CUDA: the Triton kernel ``graft_tk.kernels.quant_matmul`` (W4A16 / W8A16);
   * anywhere else: the torch reference.
 """
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 
 import torch
@@ -68,18 +69,18 @@ def quantize_int4(w: Tensor, group: int = GROUP) -> tuple[Tensor, Tensor, Tensor
 
 
 # From this many rows (a prefill), an int8 layer in bf16 copies its weight into a bf16 scratch buffer
-# kept for the process, WIDE_ELEMENTS weights at a time, and runs bf16 GEMMs, on a CPU with native
-# bf16 (AVX-512 BF16 / AMX) where torch's packed kernel is compute-bound (see README, Quantized weights).
+# kept per thread, WIDE_ELEMENTS weights at a time, and runs bf16 GEMMs, on a CPU with native bf16
+# (AVX-512 BF16 / AMX) where torch's packed kernel is compute-bound (see README, Quantized weights).
 WIDE_ROWS = 64
 WIDE_ELEMENTS = 1 << 25     # a 64 MiB scratch: a whole layer of the built-in models, an LM head in parts
-_scratch: dict[torch.device, Tensor] = {}
+_scratch = threading.local()
 
 
 def _bf16_weight(q: Tensor) -> Tensor:
-    """``q`` (int8) as bf16 in the process's scratch buffer (a fresh 50 MB tensor would cost 8x the copy)."""
-    buf = _scratch.get(q.device)
+    """``q`` (int8) as bf16 in this thread's scratch buffer (a fresh 50 MB tensor costs 8x the copy)."""
+    buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < q.numel():
-        buf = _scratch[q.device] = torch.empty(max(WIDE_ELEMENTS, q.numel()), dtype=torch.bfloat16, device=q.device)
+        buf = _scratch.buf = torch.empty(max(WIDE_ELEMENTS, q.numel()), dtype=torch.bfloat16)
     return buf[:q.numel()].view(q.shape).copy_(q)
 
 
@@ -146,7 +147,7 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.cpu:
             x2 = x2.contiguous()
-            if self.wide and x2.shape[0] >= WIDE_ROWS and x2.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+            if self.wide and x2.shape[0] >= WIDE_ROWS and not torch.compiler.is_compiling():
                 y = self._wide(x2)
             elif self.mode == "int8":
                 y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
