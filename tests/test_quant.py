@@ -94,9 +94,9 @@ def test_cpu_packed_layer_matches_the_reference_and_is_row_invariant(mode, dtype
     torch.testing.assert_close(layer.dequantized().float(), w, rtol=rtol, atol=atol * w.abs().max().item())
 
 
-def test_a_wide_int8_call_in_bf16_runs_one_gemm_on_the_exact_weights(monkeypatch):
+def test_a_wide_int8_call_in_bf16_runs_bf16_gemms_on_the_exact_weights(monkeypatch):
     """From WIDE_ROWS rows (a prefill) on a CPU with native bf16, an int8 layer converts its weight
-    into the process's scratch, a block of outputs at a time (40 here), and runs bf16 GEMMs: the
+    into its thread's scratch, a block of outputs at a time (40 here), and runs bf16 GEMMs: the
     reference's product within bf16's rounding, narrower calls still the packed kernel's. Forced
     here, so that it runs on any CPU."""
     from graft_tk.models import quant
