@@ -94,12 +94,13 @@ def _accept(nodes: int, vocab: int = VOCAB, temperature: float = 0.0, top_p: flo
     return build
 
 
-def _commit_kv(layers: int, heads: int, slots: int, head_dim: int, n: int, dtype):
+def _commit_kv(layers: int, heads: int, slots: int, head_dim: int, n: int, dtype, device_dst: bool = False):
+    """``device_dst``: the first destination slot as a 0-d device tensor (a captured step's commit)."""
     def build(device):
         kv = torch.randn(layers, 2, 1, heads, slots, head_dim, generator=_gen()).to(dtype).to(device)
         start = slots - 64
         src = start + torch.arange(n) * 2                 # every other tree slot: an overlapping move
-        return kv, src.to(device), start
+        return kv, src.to(device), torch.tensor(start, device=device) if device_dst else start
     return build
 
 

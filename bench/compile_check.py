@@ -173,6 +173,8 @@ def op_calls(quick: bool):
             for n in (1, 6):
                 yield (f"{str(dtype)[6:]} d{d} n={n}", "commit_kv",
                        lambda dtype=dtype, d=d, n=n: cases._commit_kv(2, 2, 512, d, n, dtype)("cpu"))
+            yield (f"{str(dtype)[6:]} d{d} n=16 dst on device", "commit_kv",   # the verify chain's commit
+                   lambda dtype=dtype, d=d: cases._commit_kv(2, 2, 512, d, 16, dtype, device_dst=True)("cpu"))
             for group in ((1, 7) if quick else (1, 2, 7, 8)):
                 for T in ((1, 64) if quick else (1, 16, 64)):
                     yield (f"{str(dtype)[6:]} d{d} group {group} T={T}", "tree_attention",

@@ -17,6 +17,11 @@
 4. Step forwards, eager vs compiled (``graft_tk.compiled``: torch.compile, CUDA graphs): a model
    with Qwen2.5-1.5B's shapes (random bf16 weights: a GPU machine may have no checkpoints, and
    the time does not depend on the values), q = 1 and 16 new tokens after 100 and 3,000 cached.
+5. Decode steps, eager vs compiled: ``ar``, ``retrieval+pld`` and ``graft`` (a 4-layer drafter
+   sharing the target's first layers) on the same Qwen-shaped random model in fp32 (a random
+   model falls into loops that retrieval and prompt lookup predict): tokens identical to ``ar``,
+   whether the greedy verify -> accept -> commit chain ran as a CUDA graph
+   (``graft_tk.verify_chain``), ms per step, ms per step outside the forwards, host syncs per step.
 
 Prints one markdown table; ``--json`` also writes the numbers with the machine's description.
 Exit code: 0 when tests pass and every op agrees, 1 otherwise, 2 when there is no CUDA device.
@@ -147,6 +152,86 @@ def run_forwards(cuda: bool) -> list[dict]:
     return rows
 
 
+class _NoTokenizer:
+    eos_token_id = None
+
+    def decode(self, ids):
+        return ""
+
+
+def run_decodes(cuda: bool) -> list[dict]:
+    """ar / retrieval+pld / graft on a random Qwen-shaped model, eager and compiled (see the module docstring)."""
+    import dataclasses
+
+    import torch
+
+    import graft_tk
+    from graft_tk.config import GraftConfig
+    from graft_tk.engine import Engine
+    from graft_tk.models import Model
+    from graft_tk.models.transformer import ModelConfig, Transformer
+    if cuda:
+        cfg, draft_layers, new_tokens, device = (ModelConfig("qwen2", 151936, 1536, 28, 12, 2, 128, 8960, 1e-6, 1e6,
+                                                             32768, True), 4, 64, torch.device("cuda"))
+    else:
+        cfg, draft_layers, new_tokens, device = (ModelConfig("qwen2", 512, 64, 4, 4, 2, 16, 128, 1e-6, 1e6, 4096, True),
+                                                 2, 12, torch.device("cpu"))
+    torch.manual_seed(0)
+    net = Transformer(cfg)
+    for p in net.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.05)
+    net = net.to(device).eval().requires_grad_(False)
+    dcfg = dataclasses.replace(cfg, n_layers=draft_layers)
+    dnet = Transformer(dcfg)
+    dnet.load_state_dict(net.state_dict(), strict=False)   # the target's embedding, first layers and head
+    dnet = dnet.to(device).eval().requires_grad_(False)
+    target = Model("random-qwen", None, cfg, _NoTokenizer(), net)
+    drafter = Model("random-qwen-first-layers", None, dcfg, _NoTokenizer(), dnet)
+    prompt = torch.randint(cfg.vocab_size, (96,), generator=torch.Generator().manual_seed(1)).tolist()
+    rows, reference = [], {}
+    with torch.inference_mode():
+        for compile in (False, True):
+            for method in ("ar", "retrieval+pld", "graft"):
+                def run():
+                    if method == "ar":   # the plain loop: one forward (a CUDA graph when compiled) per token
+                        r = graft_tk.decode(target, prompt, max_new_tokens=new_tokens, compile=compile)
+                        return r.tokens, r.stats
+                    engine = Engine(target, drafter if method == "graft" else None, GraftConfig(), compile=compile)
+                    return engine.generate(prompt, method, new_tokens, 0.0, 1.0, None, None)
+                t0 = time.perf_counter()
+                run()                            # compiles, captures
+                first_s = time.perf_counter() - t0
+                tokens, stats = run()
+                if method == "ar":
+                    reference[compile] = tokens
+                split, steps = stats.get("time_split"), max(stats["steps"], 1)
+                row = {"method": method, "compile": compile, "first_s": first_s,
+                       "identical_to_ar": tokens == reference[compile], "verify_chain": stats.get("verify_chain"),
+                       "tokens_per_s": stats["tokens_per_s"], "mat": stats["mat"],
+                       "ms_per_step": 1000 * (stats["seconds"] - stats["prefill_seconds"]) / steps,
+                       "ms_outside_forwards": (1000 * (split["retrieve"] + split["commit"]) / steps
+                                               if split else None),
+                       "host_syncs_per_step": stats["host_syncs_per_step"]}
+                rows.append(row)
+                print(f"  {method:<14} compile={compile!s:<5} {row['tokens_per_s']:8.1f} tok/s  mat {row['mat']:.2f}  "
+                      f"{row['ms_per_step']:.2f} ms/step  chain {row['verify_chain']}  "
+                      f"identical {row['identical_to_ar']}", file=sys.stderr)
+    return rows
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def decode_table(rows: list[dict]) -> str:
+    lines = ["| method | compile | tok/s | tokens/step | ms/step | ms outside forwards | host syncs/step | chain | "
+             "same as ar | first call s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['method']} | {'on' if r['compile'] else 'off'} | {r['tokens_per_s']:.1f} | {r['mat']:.2f} | "
+              f"{r['ms_per_step']:.2f} | {_ms(r['ms_outside_forwards'])} | {r['host_syncs_per_step']:.2f} | "
+              f"{r['verify_chain']} | {'yes' if r['identical_to_ar'] else 'NO'} | {r['first_s']:.0f} |" for r in rows]
+    return "\n".join(lines)
+
+
 ATTENTION_LAYOUTS = {"qwen2.5-1.5b": (12, 2), "llama-3-8b": (32, 8)}   # (query heads, kv heads), head dim 128
 TUNED_SHAPES = {("qwen2.5-1.5b", 16, 4096), ("llama-3-8b", 64, 32768)}     # tuned too (~1 min each)
 
@@ -267,16 +352,20 @@ def main(argv=None) -> int:
     attention = run_attention(cuda)
     print("step forwards, eager vs compiled...", file=sys.stderr)
     forwards = run_forwards(cuda)
+    print("decode steps, eager vs compiled...", file=sys.stderr)
+    decodes = run_decodes(cuda)
     print(f"\n## gpu_check: {info['gpu'] or 'CPU dry run'}, {info['date']}")
     if tests is not None:
         print(f"\nkernel tests: {tests['summary']}" + "".join(f"\n  {f}" for f in tests["failures"]))
     print("\n" + table(rows))
     print("\n" + attention_table(attention))
     print("\n" + forward_table(forwards))
+    print("\n" + decode_table(decodes))
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "tests": tests, "benchmarks": rows,
-                                               "attention": attention, "forwards": forwards}, indent=1))
-    ok = (tests is None or tests["ok"]) and all(not r["agree"].startswith("DIFFER") for r in rows + attention)
+                                               "attention": attention, "forwards": forwards, "decodes": decodes}, indent=1))
+    ok = ((tests is None or tests["ok"]) and all(not r["agree"].startswith("DIFFER") for r in rows + attention)
+          and all(r["identical_to_ar"] for r in decodes))
     return 0 if ok else 1
 
 

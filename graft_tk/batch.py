@@ -227,7 +227,7 @@ class Batch:
         for row, (seq, proposal) in enumerate(zip(self.seqs, proposals)):
             seq.stats.seconds["verify"] += verify_seconds
             with self._rows(row):
-                engine.settle(seq, proposal, logits[row], None, tnet.kv, tree_start)
+                engine.settle(seq, proposal, engine.accept(seq, proposal, logits[row], None, tnet.kv, tree_start))
 
     def _start_drafters(self) -> None:
         """Prefill the drafter of each request that joined while the batch did not draft, on

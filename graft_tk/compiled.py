@@ -8,7 +8,8 @@ fixed budget N, one for a one-token ``ar`` step; a drafter, whose forwards chang
 committed tokens it has not seen, the frontier), is compiled with symbolic sizes (``dynamic``),
 one graph for one row and one for many. On a CPU inductor's
 ``freezing`` packs the weights for oneDNN/MKL; on CUDA the graph is captured in a CUDA graph
-(``mode="reduce-overhead"``). The prefill, whose length differs per prompt, always runs eagerly.
+(``mode="reduce-overhead"``), except the target's greedy verify, which runs inside the larger
+graph of ``graft_tk.verify_chain`` (verify -> accept -> commit). The prefill, whose length differs per prompt, always runs eagerly.
 
 Compilation happens once per model and shape in a process (``compiled_forward`` keeps them), and
 takes minutes on a small CPU: it pays off over long generations and servers, not one short call.
@@ -29,20 +30,25 @@ _COMPILED: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDicti
 _GRAPHS_PER_CODE = 64
 
 
-def compiled_forward(net: Transformer, dynamic: bool = False):
+def compiled_forward(net: Transformer, dynamic: bool = False, cuda_graphs: bool = True):
     """``net.forward_static`` compiled with no graph break (raises if one is needed); ``dynamic``:
-    sizes symbolic from the first call (else specialised, and symbolic only once one changes)."""
+    sizes symbolic from the first call (else specialised, and symbolic only once one changes);
+    ``cuda_graphs=False``: on CUDA, no CUDA graph of its own (a caller captures it in a larger one,
+    ``graft_tk.verify_chain``)."""
     by_mode = _COMPILED.setdefault(net, {})
-    if dynamic not in by_mode:
+    cuda = net.compute_weight.device.type == "cuda"
+    key = (dynamic, cuda_graphs and cuda)
+    if key not in by_mode:
         import torch._dynamo
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _GRAPHS_PER_CODE)
-        if net.compute_weight.device.type == "cuda":
-            fn = torch.compile(net.forward_static, fullgraph=True, dynamic=dynamic or None, mode="reduce-overhead")
+        if cuda:
+            fn = torch.compile(net.forward_static, fullgraph=True, dynamic=dynamic or None,
+                               mode="reduce-overhead" if cuda_graphs else None)
         else:
             fn = torch.compile(net.forward_static, fullgraph=True, dynamic=dynamic or None,
                                options={"freezing": True})
-        by_mode[dynamic] = fn
-    return by_mode[dynamic]
+        by_mode[key] = fn
+    return by_mode[key]
 
 
 class StepForward:

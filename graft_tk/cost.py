@@ -134,5 +134,26 @@ def measure_step_cost(target, drafter, config, compile: bool = False, context: i
     with torch.inference_mode():
         _, stats = engine.generate(prompt, "graft" if drafter is not None else "retrieval", 24, 0.0, 1.0, None, None)
     split = stats["time_split"]
-    step_ms = 1000 * (split["retrieve"] + split["commit"]) / max(stats["steps"], 1)
+    # Acceptance runs in the decode's "verify" phase, with the forward (graft_tk.verify_chain): timed alone.
+    step_ms = 1000 * (split["retrieve"] + split["commit"]) / max(stats["steps"], 1) + accept_ms(engine, repeats)
     return StepCost(verify_ms=verify, draft_ms=draft, step_ms=step_ms, context=context)
+
+
+def accept_ms(engine, repeats: int) -> float:
+    """Median milliseconds of the engine's acceptance (with its M update) of a tree at its budget N
+    (a chain of N nodes, random logits); what a step spends on it does not depend on the tokens."""
+    from .tree import Tree
+
+    device, n, vocab = engine.target.device, engine.config.budget, engine.target.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    tree = Tree.from_lists(torch.randint(vocab, (n,), generator=g).tolist(), list(range(-1, n - 1)), device=device)
+    logits = torch.randn(n, vocab, generator=g).to(device)
+    adjacency = engine.adjacency.clone()
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        engine.ops.accept(tree, logits, adjacency, 0.0, 1.0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:]) * 1000

@@ -27,9 +27,10 @@ from .adjacency import new_adjacency, template_from_level_sizes, warm_adjacency
 from .policy import StepPolicy
 from .sampling import next_token
 from .tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT, SOURCE_NAMES, BuiltTree, Tree
+from .verify_chain import Verdict, VerifyChain, accept_and_commit
 
-# Launched inside model forwards (the attention, its split-KV combine): not step ops.
-FORWARD_KERNELS = ("_tree_attention_kernel", "_combine_splits_kernel")
+# Launched inside model forwards (the attention, its split-KV combine, quantized matmuls): not step ops.
+FORWARD_KERNELS = ("_tree_attention_kernel", "_combine_splits_kernel", "_quant_matmul_kernel")
 DEPTH_STAGE_KERNEL = "_draft_expand_partial_kernel"   # a depth's expansion over many programs (GPU): stage 1
 
 
@@ -93,20 +94,34 @@ class Engine:
         ``propose`` (draft, retrieve, graft: the tree), one target forward verifies it, ``settle``
         (accept, update M and the estimates, commit). ``graft_tk.batch`` runs the same step for
         several requests with one forward."""
-        self.target.net.setup_cache(len(ids) + max_new_tokens + self.config.budget + 1)
+        tnet = self.target.net
+        tnet.setup_cache(len(ids) + max_new_tokens + self.config.budget + 1)
         seq = self.begin(ids, method, max_new_tokens, temperature, top_p, generator, on_tokens)
         layers = seq.drafter.target_layers if seq.drafter is not None else None
+        # A greedy fixed-shape step verifies, accepts and commits in one device program (a CUDA
+        # graph on CUDA); otherwise the forward, then accept_and_commit.
+        chain = (VerifyChain(tnet, self.ops, seq.budget, self.adjacency if method in USES_RETRIEVAL else None,
+                             seq.context, layers, self.compile)
+                 if seq.static_shapes and temperature == 0 and not seq.done else None)
         while not seq.done:
             proposal = self.propose(seq)
-            # 7. Verify the whole tree in one target forward with tree attention.
+            # 7. Verify the whole tree in one target forward with tree attention (8-9's device part too, chained).
             t, tree, start = seq.stats.clock(), proposal.tree, seq.target_len
-            tokens = tree.tokens.clamp(min=0)[None]   # padding (token -1) runs as token 0, masked off
-            logits, features = _forward(self.target_step, layers, tokens, tree.positions(start), start,
-                                        attn_mask=tree.attn_mask(), mask_prefix=start,
-                                        attention=self.ops.tree_attention)
+            if chain is not None:
+                launches = LAUNCHES.snapshot()
+                verdict = chain(proposal.built, start, seq.length)
+                seq.step_launches += LAUNCHES.snapshot() - launches
+            else:
+                tokens = tree.tokens.clamp(min=0)[None]   # padding (token -1) runs as token 0, masked off
+                logits, features = _forward(self.target_step, layers, tokens, tree.positions(start), start,
+                                            attn_mask=tree.attn_mask(), mask_prefix=start,
+                                            attention=self.ops.tree_attention)
+                verdict = self.accept(seq, proposal, logits, features, tnet.kv, start)
             seq.stats.add_time("verify", t)
-            self.settle(seq, proposal, logits, features, self.target.net.kv, start)
-        return seq.out, self.finish(seq)
+            self.settle(seq, proposal, verdict)
+        stats = self.finish(seq)
+        stats["verify_chain"] = ("off" if chain is None else "cuda graph" if chain.graph is not None else "eager")
+        return seq.out, stats
 
     def begin(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
               generator, on_tokens, drafter: Drafter | None = None, batched: bool = False,
@@ -217,32 +232,37 @@ class Engine:
         seq.stats.host_reads += HOST_READS.count - reads_before
         return Proposal(pool, built, tree, ngram)
 
-    def settle(self, seq: DecodeState, proposal: Proposal, logits: torch.Tensor, features: torch.Tensor | None,
-               kv: torch.Tensor, tree_start: int) -> None:
-        """Steps 8-9 for one request, from its verify ``logits`` [n, V] (``features`` for an
-        EAGLE-3 drafter): accept, update M and the estimates, stream the new tokens, and commit the
-        path's KV from the tree's slots [tree_start, tree_start + n) of ``kv`` to the prefix's end."""
-        ops, estimates, policy, device = self.ops, self.estimates, seq.policy, self.target.device
+    def accept(self, seq: DecodeState, proposal: Proposal, logits: torch.Tensor, features: torch.Tensor | None,
+               kv: torch.Tensor, tree_start: int) -> Verdict:
+        """Steps 8-9's device part for one request, from its verify ``logits`` [n, V]
+        (``features`` for an EAGLE-3 drafter): accept, update M, write the new tokens to the
+        context, move the path's KV from the tree's slots [tree_start, tree_start + n) of ``kv``
+        to the prefix's end (what ``VerifyChain`` does in one program)."""
+        tree, launches = proposal.tree, LAUNCHES.snapshot()
+        uniforms = (torch.rand(tree.n, generator=seq.generator, device=logits.device)
+                    if seq.temperature > 0 else None)
+        path, n_path, bonus = accept_and_commit(
+            self.ops, tree, logits, self.adjacency if seq.method in USES_RETRIEVAL else None, seq.temperature,
+            seq.top_p, uniforms, seq.context, seq.length, kv, tree_start, seq.target_len)
+        seq.step_launches += LAUNCHES.snapshot() - launches
+        return Verdict(path, n_path, bonus, features)
+
+    def settle(self, seq: DecodeState, proposal: Proposal, verdict: Verdict) -> None:
+        """The rest of steps 8-9 for one request, once ``verdict`` is on the device (accepted,
+        context written, target KV committed): update the acceptance estimates, read the step's
+        outcome (one host read), stream the new tokens, bring the drafter up to date."""
+        estimates, policy = self.estimates, seq.policy
         launches_before, reads_before = LAUNCHES.snapshot(), HOST_READS.count
         pool, built, tree = proposal.pool, proposal.built, proposal.tree
-        use_retrieval = seq.method in USES_RETRIEVAL
-        # 8. Accept the longest path the target agrees with, plus a bonus token; update M (when
-        # this method reads it) and the acceptance estimates.
+        path, n_path, bonus, features = verdict
         t = seq.stats.clock()
-        uniforms = (torch.rand(tree.n, generator=seq.generator, device=device) if seq.temperature > 0 else None)
-        path, n_path, bonus = ops.accept(tree, logits, self.adjacency if use_retrieval else None,
-                                         seq.temperature, seq.top_p, uniforms)
         seq.stats.expect(built, estimates.node_probs(built))   # before the update: a prediction
         pld_span, retrieval_span = seq.spans
         estimates.update(built, path, pld_span, proposal.ngram, retrieval_span)
-        # The accepted nodes after the root, then the bonus, go into the context on the device
-        # (entries past what the host commits below are overwritten by the next step).
-        N, p = path.shape[0], path.clamp(min=0)
-        seq.context[seq.length:seq.length + N] = torch.where(torch.arange(N, device=device) == n_path - 1, bonus,
-                                                             tree.tokens[p].roll(-1))
         # One host read for all the host needs from this step: the path's length, its tokens,
         # the bonus, its nodes' drafter slots, sources and depths; the tree's nodes per source;
         # the refreshed score -> acceptance map when the policy reads it.
+        p = path.clamp(min=0)
         node_slots = pool.slots_of(built.pool_index[:tree.n])
         (m, b), *per_node, nodes_by_source, rates = HOST_READS.read_many(
             torch.stack([n_path.long(), bonus.long()]), path, tree.tokens[p], node_slots[p], tree.source[p],
@@ -272,14 +292,12 @@ class Engine:
         seq.out += new
         if seq.on_tokens and seq.on_tokens(new):
             seq.done = True
-        # 9. Commit: move the target KV of the accepted path to the prefix's end; bring the drafter
-        # up to date (a small model keeps the KV of accepted drafted nodes; an EAGLE-3 head keeps
-        # the path's target features).
+        # 9. Commit (the target's KV is in place already): bring the drafter up to date (a small
+        # model keeps the KV of accepted drafted nodes; an EAGLE-3 head keeps the path's target features).
         if not seq.done:
-            ops.commit_kv(kv, tree_start + path, seq.target_len)
             seq.target_len += m
             if seq.drafter is not None:
-                seq.drafter.commit(path, node_slots[p], path_slots, features, ops)
+                seq.drafter.commit(path, node_slots[p], path_slots, features, self.ops)
             seq.root = bonus      # the last committed token is the next step's root
         seq.stats.add_time("commit", t)
         seq.stats.record_launches(seq.step_launches + (LAUNCHES.snapshot() - launches_before), pool.forwards)
@@ -326,7 +344,7 @@ class DecodeState:
     out: list[int] = field(default_factory=list)   # new tokens so far (what was streamed)
     done: bool = False
     draft_rates: list[float] | None = None
-    step_launches: Counter = field(default_factory=Counter)   # this step's launches before the verify
+    step_launches: Counter = field(default_factory=Counter)   # this step's launches before settle
 
 
 def _forward(net, hidden_layers, tokens, positions, start, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:

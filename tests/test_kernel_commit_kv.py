@@ -88,3 +88,24 @@ def test_bad_input_is_a_clear_error():
         commit_kernel(kv[0], torch.tensor([0], device=DEVICE), 0)
     with pytest.raises(ValueError, match="integer"):
         commit_kernel(kv, torch.tensor([0.0], device=DEVICE), 0)
+
+
+@pytest.mark.parametrize("case", ["overlap", "overlap-long", "backward"])
+def test_destination_on_the_device_moves_as_an_int_does(case):
+    # A step captured in a CUDA graph passes its first destination slot as a 0-d device tensor:
+    # kernel and reference must move exactly what the int form moves.
+    src, dst = CASES[case]
+    kv = random_kv((3, 2, 1, 2, 16, 32), torch.bfloat16, seed=len(src))
+    expected = kv.clone()
+    commit_reference(expected, torch.tensor(src, device=DEVICE), dst)
+    by_reference = kv.clone()
+    commit_reference(by_reference, torch.tensor(src, device=DEVICE), torch.tensor(dst, device=DEVICE))
+    check(kv, torch.tensor(src, device=DEVICE), torch.tensor(dst, device=DEVICE))
+    assert torch.equal(kv.view(torch.int16), expected.view(torch.int16))
+    assert torch.equal(by_reference.view(torch.int16), expected.view(torch.int16))
+
+
+def test_a_destination_tensor_of_the_wrong_kind_is_refused():
+    kv = random_kv((1, 2, 1, 1, 8, 4), torch.float32, seed=0)
+    with pytest.raises(ValueError, match="0-d integer tensor"):
+        commit_kernel(kv, torch.tensor([1, 2], device=DEVICE), torch.tensor([3], device=DEVICE))

@@ -35,13 +35,13 @@ _BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @triton.jit
 def _commit_kv_kernel(
-    kv_ptr, src_ptr,
+    kv_ptr, src_ptr, dst_ptr,
     # sizes
     n_slots, dst_start, n_heads, batch, head_dim,
     # strides of kv [L, 2, B, H, S, D]
     stride_l, stride_c, stride_b, stride_h, stride_s, stride_d,
     # meta-parameters
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DST_IN_MEMORY: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)   # (layer, k/v, batch, head) flattened; int64: big caches
     h = row % n_heads
@@ -57,7 +57,10 @@ def _commit_kv_kernel(
     tile = tl.load(base + src[:, None] * stride_s + offs_d[None, :] * stride_d, mask=mask)
     # Every read of this program's tile happens before any write (see the module docstring).
     tl.debug_barrier()
-    dst = dst_start + offs_n.to(tl.int64)
+    if DST_IN_MEMORY:   # the first destination slot is a device value (a captured step's)
+        dst = tl.load(dst_ptr).to(tl.int64) + offs_n.to(tl.int64)
+    else:
+        dst = dst_start + offs_n.to(tl.int64)
     tl.store(base + dst[:, None] * stride_s + offs_d[None, :] * stride_d, tile, mask=mask)
 
 
@@ -68,7 +71,7 @@ def _config(n_slots: int, head_dim: int) -> tuple[int, int, int]:
     return block_n, block_d, 1 if block_n * block_d <= 512 else 4
 
 
-def commit_kv(kv: Tensor, src_slots: Tensor, dst_start: int) -> None:
+def commit_kv(kv: Tensor, src_slots: Tensor, dst_start: int | Tensor) -> None:
     """Copy slot ``src_slots[i]`` to slot ``dst_start + i`` for every layer, K and V, in place.
 
     Parameters
@@ -77,8 +80,10 @@ def commit_kv(kv: Tensor, src_slots: Tensor, dst_start: int) -> None:
         The static KV cache; updated in place.
     src_slots : Tensor, integer [n], n <= 4096
         Source slots in [0, S) (not checked: that would sync); may overlap the destination.
-    dst_start : int
-        First destination slot; ``0 <= dst_start`` and ``dst_start + n <= S``.
+    dst_start : int, or integer 0-d Tensor on kv's device
+        First destination slot; ``0 <= dst_start`` and ``dst_start + n <= S`` (a tensor's value
+        is not checked: that would sync). A tensor is read by the kernel, so a step captured in
+        a CUDA graph replays with a new one.
 
     One launch of L * 2 * B * H * ceil(D / BLOCK_D) programs; n = 0 launches nothing.
     """
@@ -90,7 +95,11 @@ def commit_kv(kv: Tensor, src_slots: Tensor, dst_start: int) -> None:
         raise ValueError(f"src_slots is on {src_slots.device}, kv on {kv.device}")
     n = src_slots.shape[0]
     n_layers, _, batch, n_heads, n_cache, head_dim = kv.shape
-    if not 0 <= dst_start <= n_cache - n:
+    in_memory = isinstance(dst_start, Tensor)
+    if in_memory and (dst_start.dim() != 0 or dst_start.dtype.is_floating_point or dst_start.device != kv.device):
+        raise ValueError(f"a tensor dst_start must be a 0-d integer tensor on {kv.device}, got "
+                         f"{dst_start.dtype} {list(dst_start.shape)} on {dst_start.device}")
+    if not in_memory and not 0 <= dst_start <= n_cache - n:
         raise ValueError(f"destination slots [{dst_start}, {dst_start + n}) fall outside the cache's {n_cache} slots")
     if n > MAX_SLOTS:
         raise ValueError(f"commit_kv moves at most {MAX_SLOTS} slots per call (one program holds them all), got {n}")
@@ -102,7 +111,7 @@ def commit_kv(kv: Tensor, src_slots: Tensor, dst_start: int) -> None:
     src = src_slots.to(torch.int64).contiguous()
     block_n, block_d, num_warps = _config(n, head_dim)
     grid = (n_layers * 2 * batch * n_heads, triton.cdiv(head_dim, block_d))
-    launch(_commit_kv_kernel, grid, bits, src,
-           n, dst_start, n_heads, batch, head_dim,
+    launch(_commit_kv_kernel, grid, bits, src, dst_start if in_memory else src,
+           n, 0 if in_memory else dst_start, n_heads, batch, head_dim,
            *bits.stride(),
-           BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps)
+           BLOCK_N=block_n, BLOCK_D=block_d, DST_IN_MEMORY=in_memory, num_warps=num_warps)

@@ -124,9 +124,10 @@ def accept(tree: Tree, logits: Tensor, adj: Tensor | None, temperature: float, t
         chosen[0] = True                                                    # the root is committed
         mask = tree.attn_mask()                                             # [N, N] ancestor-or-self
         reached = ~(mask & ~chosen[None, :]).any(-1)
-        last = torch.where(reached, tree.depth.long(), -1).argmax()         # unique: <= 1 chosen child per node
-        on_path = mask[last]
-        bonus = argmax[last]
+        # unique: <= 1 chosen child per node; [1]-shaped: a gather, never a host read of the index
+        last = torch.where(reached, tree.depth.long(), -1).argmax().view(1)
+        on_path = mask[last][0]
+        bonus = argmax[last][0]
     else:
         if uniforms is None:
             uniforms = torch.rand(n, generator=generator, device=device)
@@ -134,7 +135,7 @@ def accept(tree: Tree, logits: Tensor, adj: Tensor | None, temperature: float, t
     # path[depth[j]] = j for every j on the path; off-path nodes all write the spare slot n.
     path = torch.full((n + 1,), -1, dtype=torch.int64, device=device)
     path = path.scatter_(0, torch.where(on_path, tree.depth.long(), n), idx)[:n]
-    n_path = tree.depth[last].long() + 1
+    n_path = tree.depth[last.view(1)][0].long() + 1
     if adj is not None:   # M update in the engine's order: non-path nodes by index, then the path root first
         update_adjacency(adj, tree.tokens, logits, torch.argsort(on_path.long() * n + idx))
     return path, n_path, bonus

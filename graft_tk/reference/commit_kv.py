@@ -11,10 +11,11 @@ first.
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
-def commit_kv(kv: Tensor, src_slots: Tensor, dst_start: int) -> None:
+def commit_kv(kv: Tensor, src_slots: Tensor, dst_start: int | Tensor) -> None:
     """Copy slot ``src_slots[i]`` to slot ``dst_start + i`` for every layer, K and V, in place.
 
     Parameters
@@ -23,10 +24,15 @@ def commit_kv(kv: Tensor, src_slots: Tensor, dst_start: int) -> None:
         The static KV cache (layer, K/V, batch, kv-head, slot, head dim).
     src_slots : Tensor, int64 [n]
         Source slots, in [0, S); may overlap [dst_start, dst_start + n).
-    dst_start : int
-        First destination slot; ``dst_start + n <= S``.
+    dst_start : int, or int64 0-d Tensor on kv's device
+        First destination slot; ``dst_start + n <= S``. A tensor keeps the host from knowing it
+        (a step captured in a CUDA graph replays with a new one).
     """
     n = src_slots.shape[0]
     if n == 0:
         return
-    kv[:, :, :, :, dst_start:dst_start + n] = kv[:, :, :, :, src_slots]
+    if isinstance(dst_start, Tensor):
+        dst = dst_start + torch.arange(n, device=kv.device)
+        kv.index_copy_(4, dst, kv.index_select(4, src_slots.long()))   # all rows read, then written
+    else:
+        kv[:, :, :, :, dst_start:dst_start + n] = kv[:, :, :, :, src_slots]
