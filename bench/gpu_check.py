@@ -206,7 +206,7 @@ def run_decodes(cuda: bool) -> list[dict]:
                     reference[compile] = tokens
                 split, steps = stats.get("time_split"), max(stats["steps"], 1)
                 row = {"method": method, "compile": compile, "first_s": first_s,
-                       "identical_to_ar": tokens == reference[compile], "verify_chain": stats.get("verify_chain"),
+                       "identical_to_ar": tokens == reference[compile], "verify_chain": stats.get("verify_chain", "-"),
                        "tokens_per_s": stats["tokens_per_s"], "mat": stats["mat"],
                        "ms_per_step": 1000 * (stats["seconds"] - stats["prefill_seconds"]) / steps,
                        "ms_outside_forwards": (1000 * (split["retrieve"] + split["commit"]) / steps
