@@ -91,9 +91,11 @@ class Engine:
     def generate(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
                  generator, on_tokens) -> tuple[list[int], dict]:
         """Speculative decoding of ``ids``: returns (new tokens, stats). The step, top to bottom:
-        ``propose`` (draft, retrieve, graft: the tree), one target forward verifies it, ``settle``
-        (accept, update M and the estimates, commit). ``graft_tk.batch`` runs the same step for
-        several requests with one forward."""
+        ``propose`` (draft, retrieve, graft: the tree), one target forward verifies it and
+        ``accept`` moves the outcome into place on the device (accept, update M, write the
+        context, move the KV: one ``VerifyChain`` program for a greedy fixed-shape step),
+        ``settle`` (the estimates, the step's one host read, streaming, the drafter's commit).
+        ``graft_tk.batch`` runs the same step for several requests with one forward."""
         tnet = self.target.net
         tnet.setup_cache(len(ids) + max_new_tokens + self.config.budget + 1)
         seq = self.begin(ids, method, max_new_tokens, temperature, top_p, generator, on_tokens)
