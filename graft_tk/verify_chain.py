@@ -99,6 +99,10 @@ class VerifyChain:
         ``length`` tokens committed to the context; the outputs stay valid until the next call."""
         if built.tokens.shape[0] != self.n:
             raise ValueError(f"the chain verifies trees of {self.n} nodes, got {built.tokens.shape[0]}")
+        if start + self.n > self.net.cache_len or length + self.n > self.context.shape[0]:
+            raise RuntimeError(f"a tree of {self.n} nodes after {start} cached tokens and {length} committed needs "
+                               f"{start + self.n} cache slots (have {self.net.cache_len}) and {length + self.n} "
+                               f"context entries (have {self.context.shape[0]}); size them before decoding")
         tree = built.as_tree()
         for f in fields(Tree):
             getattr(self.tree, f.name).copy_(getattr(tree, f.name))

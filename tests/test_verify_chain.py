@@ -102,3 +102,10 @@ def test_chain_refuses_a_tree_of_another_budget(target):
     chain = VerifyChain(target.net, engine.ops, 8, engine.adjacency, seq.context)
     with pytest.raises(ValueError, match="trees of 8 nodes"):
         chain(proposal.built, seq.target_len, seq.length)
+
+
+def test_chain_refuses_a_tree_past_the_cache(target):
+    engine, seq, proposal = _step(target)
+    chain = VerifyChain(target.net, engine.ops, 12, engine.adjacency, seq.context)
+    with pytest.raises(RuntimeError, match="cache slots"):
+        chain(proposal.built, target.net.cache_len - 4, seq.length)
