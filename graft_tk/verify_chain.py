@@ -17,6 +17,7 @@ its uniforms from a host generator, outside any graph.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import fields
 from typing import NamedTuple
 
@@ -130,15 +131,21 @@ class VerifyChain:
 
     def _warm_up_or_capture(self) -> Verdict:
         """CUDA: the first step (or the first on a new cache) runs eagerly; the next one captures
-        the graph and replays it to run. Launches made while capturing are counted once (that
+        the graph and replays it to run (a capture that fails warns and leaves the chain eager). Launches made while capturing are counted once (that
         replay's); each later replay adds them again (``LAUNCHES``: the step's ops run there)."""
         if self.kv is not self.net.kv:
             self.graph, self.outputs, self.kv = None, None, self.net.kv
             return self._run()
         before = LAUNCHES.snapshot()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = self._run()
+        try:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.outputs = self._run()
+        except RuntimeError as e:   # e.g. an op that syncs: the step still runs, eagerly, and says so
+            warnings.warn(f"the verify chain could not be captured in a CUDA graph ({e}); its steps run eagerly "
+                          "(stats['verify_chain'] == 'eager')")
+            self.capture, self.graph, self.outputs = False, None, None
+            return self._run()
         self.launches = LAUNCHES.snapshot() - before
         self.graph.replay()
         return self.outputs

@@ -109,3 +109,28 @@ def test_chain_refuses_a_tree_past_the_cache(target):
     chain = VerifyChain(target.net, engine.ops, 12, engine.adjacency, seq.context)
     with pytest.raises(RuntimeError, match="cache slots"):
         chain(proposal.built, target.net.cache_len - 4, seq.length)
+
+
+def test_a_capture_that_fails_warns_and_leaves_the_chain_eager(target, monkeypatch):
+    """Where CUDA cannot capture the chain (an op that syncs, a driver that refuses), the step
+    still runs, eagerly, with a warning; here a CUDA graph that raises stands in for that."""
+    class Refused:
+        def __init__(self):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Refused)
+    engine, seq, proposal = _step(target)
+    before = _snapshot(engine, seq)
+    with torch.inference_mode():
+        want = [t.clone() for t in VerifyChain(target.net, engine.ops, 12, engine.adjacency, seq.context)(
+            proposal.built, seq.target_len, seq.length)[:3]]
+        _restore(engine, seq, before)
+        chain = VerifyChain(target.net, engine.ops, 12, engine.adjacency, seq.context)
+        chain.capture = True                  # as on CUDA
+        chain(proposal.built, seq.target_len, seq.length)   # the eager first step
+        _restore(engine, seq, before)
+        with pytest.warns(UserWarning, match="could not be captured"):
+            got = chain(proposal.built, seq.target_len, seq.length)
+    assert chain.capture is False and chain.graph is None
+    for a, b in zip(got[:3], want):
+        assert torch.equal(a, b)
