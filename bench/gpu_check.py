@@ -116,22 +116,34 @@ def run_benchmarks(quick: bool, cuda: bool) -> list[dict]:
     return rows
 
 
+def random_qwen(cuda: bool, dtype, std: float, toy_layers: int):
+    """A transformer with Qwen2.5-1.5B's shapes and random weights (normal, ``std``) on CUDA; on the
+    CPU of a dry run the same code at toy size (``toy_layers`` layers)."""
+    import torch
+
+    from graft_tk.models.transformer import ModelConfig, Transformer
+    if cuda:
+        cfg = ModelConfig("qwen2", 151936, 1536, 28, 12, 2, 128, 8960, 1e-6, 1e6, 32768, True)
+    else:
+        cfg = ModelConfig("qwen2", 512, 64, toy_layers, 4, 2, 16, 128, 1e-6, 1e6, 4096, True)
+    torch.manual_seed(0)
+    net = Transformer(cfg)
+    for p in net.parameters():
+        torch.nn.init.normal_(p, 0.0, std)
+    return net.to(device="cuda" if cuda else "cpu", dtype=dtype).eval().requires_grad_(False)
+
+
 def run_forwards(cuda: bool) -> list[dict]:
     """Median ms of a step forward of q tokens after ``prefix`` cached, eager and compiled."""
     import torch
 
     from graft_tk.compiled import StepForward
-    from graft_tk.models.transformer import ModelConfig, Transformer
-    if cuda:   # Qwen2.5-1.5B's shapes
-        cfg = ModelConfig("qwen2", 151936, 1536, 28, 12, 2, 128, 8960, 1e-6, 1e6, 32768, True)
+    if cuda:
         shapes, dtype, device = [(1, 100), (1, 3000), (16, 100), (16, 3000)], torch.bfloat16, torch.device("cuda")
-    else:      # dry run: the same code at toy size
-        cfg = ModelConfig("qwen2", 512, 64, 2, 4, 2, 16, 128, 1e-6, 1e6, 4096, True)
+    else:
         shapes, dtype, device = [(1, 100), (16, 100)], torch.float32, torch.device("cpu")
-    net = Transformer(cfg)
-    for p in net.parameters():
-        torch.nn.init.normal_(p, 0.0, 0.02)
-    net = net.to(device=device, dtype=dtype).eval()
+    net = random_qwen(cuda, dtype, 0.02, toy_layers=2)
+    cfg = net.config
     rows = []
     with torch.inference_mode():
         for q, prefix in shapes:
@@ -169,18 +181,10 @@ def run_decodes(cuda: bool) -> list[dict]:
     from graft_tk.config import GraftConfig
     from graft_tk.engine import Engine
     from graft_tk.models import Model
-    from graft_tk.models.transformer import ModelConfig, Transformer
-    if cuda:
-        cfg, draft_layers, new_tokens, device = (ModelConfig("qwen2", 151936, 1536, 28, 12, 2, 128, 8960, 1e-6, 1e6,
-                                                             32768, True), 4, 64, torch.device("cuda"))
-    else:
-        cfg, draft_layers, new_tokens, device = (ModelConfig("qwen2", 512, 64, 4, 4, 2, 16, 128, 1e-6, 1e6, 4096, True),
-                                                 2, 12, torch.device("cpu"))
-    torch.manual_seed(0)
-    net = Transformer(cfg)
-    for p in net.parameters():
-        torch.nn.init.normal_(p, 0.0, 0.05)
-    net = net.to(device).eval().requires_grad_(False)
+    from graft_tk.models.transformer import Transformer
+    draft_layers, new_tokens, device = (4, 64, torch.device("cuda")) if cuda else (2, 12, torch.device("cpu"))
+    net = random_qwen(cuda, torch.float32, 0.05, toy_layers=4)
+    cfg = net.config
     dcfg = dataclasses.replace(cfg, n_layers=draft_layers)
     dnet = Transformer(dcfg)
     dnet.load_state_dict(net.state_dict(), strict=False)   # the target's embedding, first layers and head

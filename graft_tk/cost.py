@@ -68,18 +68,24 @@ def interpolate(points: dict[int, float], n_max: int) -> tuple[float, ...]:
     return tuple(out)
 
 
-def forward_ms(run: Callable[[torch.Tensor, torch.Tensor, int], object], device: torch.device, q: int,
-               prefix: int, repeats: int) -> float:
-    """Median milliseconds of ``run(tokens [1, q], positions [q], start=prefix)`` after one untimed call."""
+def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` calls after one untimed call."""
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
             t = time.perf_counter()
-            run(torch.randint(1000, (1, q), device=device), torch.arange(prefix, prefix + q, device=device), prefix)
+            fn()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
     return statistics.median(times[1:]) * 1000
+
+
+def forward_ms(run: Callable[[torch.Tensor, torch.Tensor, int], object], device: torch.device, q: int,
+               prefix: int, repeats: int) -> float:
+    """Median milliseconds of ``run(tokens [1, q], positions [q], start=prefix)`` after one untimed call."""
+    return median_ms(lambda: run(torch.randint(1000, (1, q), device=device),
+                                 torch.arange(prefix, prefix + q, device=device), prefix), device, repeats)
 
 
 def forward_curve(net, run, device: torch.device, n_max: int, context: int, repeats: int,
@@ -149,11 +155,4 @@ def accept_ms(engine, repeats: int) -> float:
     tree = Tree.from_lists(torch.randint(vocab, (n,), generator=g).tolist(), list(range(-1, n - 1)), device=device)
     logits = torch.randn(n, vocab, generator=g).to(device)
     adjacency = engine.adjacency.clone()
-    times = []
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
-        engine.ops.accept(tree, logits, adjacency, 0.0, 1.0)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[1:]) * 1000
+    return median_ms(lambda: engine.ops.accept(tree, logits, adjacency, 0.0, 1.0), device, repeats)
