@@ -130,7 +130,7 @@ class Batch:
             with self._rows(row):
                 seq = self.engine.begin(ids, self.method, max_new_tokens, temperature, top_p, generator, on_tokens,
                                         drafter=drafter, batched=True, speculating=speculating,
-                                        drafting=drafting)
+                                        drafting=drafting, max_budget=self.max_budget)
         except BaseException:
             if drafter is not None:
                 self._free_drafters.append(drafter)

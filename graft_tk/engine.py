@@ -127,14 +127,15 @@ class Engine:
 
     def begin(self, ids: list[int], method: str, max_new_tokens: int, temperature: float, top_p: float,
               generator, on_tokens, drafter: Drafter | None = None, batched: bool = False,
-              speculating: bool = True, drafting: bool = True) -> DecodeState:
+              speculating: bool = True, drafting: bool = True, max_budget: int | None = None) -> DecodeState:
         """A request's state, after its prefill into the target cache as it stands (the caller
         sized it, or shows one row of a batch's cache). ``drafter``: the request's own drafter
         state (a batch gives each row one); default the engine's. ``batched``: verified at the full
         budget with others (static shapes, no per-step policy). ``speculating=False``: it starts in
         a batch that does not speculate, so its prefill neither warms M nor starts its drafter;
         ``drafting=False``: it starts in one that speculates without drafting (D = 0), so its
-        drafter does not start (the batch starts it when drafting begins)."""
+        drafter does not start (the batch starts it when drafting begins). ``max_budget``: the
+        largest tree a step may verify for it (a batch's policy may exceed the engine's N)."""
         cfg, ops, target, tnet = self.config, self.ops, self.target, self.target.net
         device = target.device
         cand_parents, cand_source, spans = self._candidate_layout(method in USES_PROMPT_LOOKUP,
@@ -174,7 +175,8 @@ class Engine:
         # The committed tokens on the device: context[:length] (prompt, then every committed token).
         # Prompt lookup searches it and a drafter reads its unseen tokens from it; the host keeps
         # only ``length`` and the tokens it streams.
-        seq.context = torch.full((n + max_new_tokens + cfg.budget + 1,), -1, dtype=torch.long, device=device)
+        seq.context = torch.full((n + max_new_tokens + max(cfg.budget, max_budget or 0) + 1,), -1,
+                                 dtype=torch.long, device=device)
         seq.context[:n] = prompt[0]
         seq.context[n] = seq.root
         seq.length = n + 1

@@ -1,6 +1,8 @@
 """Turning target logits into tokens: greedy, temperature and nucleus (top-p) sampling."""
 from __future__ import annotations
 
+import secrets
+
 import torch
 from torch import Tensor
 
@@ -58,10 +60,13 @@ def target_probs(logits: Tensor, temperature: float, top_p: float) -> Tensor:
 def sampling_generator(device, temperature: float, seed: int | None) -> torch.Generator | None:
     """The generator a sampled request draws from (seeded: reproducible; else a fresh random seed);
     None when greedy."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2 ** 63 <= seed < 2 ** 64):
+        raise InputError(f"seed must be an int in [-2**63, 2**64), got {seed!r}")
     if temperature == 0:
         return None
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed if seed is not None else torch.seed())
+    # An unseeded request draws its seed from the OS, never from (or into) torch's global RNG.
+    generator.manual_seed(seed if seed is not None else secrets.randbits(63))
     return generator
 
 

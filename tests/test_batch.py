@@ -9,6 +9,7 @@ import torch
 
 import graft_tk
 from graft_tk.batch import Batch, decode_batch
+from graft_tk.config import GraftConfig
 from graft_tk.decode import encode_prompt
 from graft_tk.engine import Engine
 from graft_tk.errors import InputError
@@ -45,6 +46,16 @@ def test_batched_greedy_equals_ar_alone(smollm2, self_drafter, prompts, ar_alone
     if method != "ar":   # the shared M learnt from every request
         assert int((engine.adjacency >= 0).any(-1).sum()) > 0
         assert sum(stats["mat"] for _, stats in got) / len(got) > 1.0
+
+
+def test_a_policy_budget_above_the_engines_is_served(smollm2, self_drafter, prompts, ar_alone):
+    """F1: a batch-size policy whose N exceeds the engine's overflowed every request's context
+    buffer (sized by the engine's N): the whole batch failed. Each request is sized for the
+    largest budget a step may verify."""
+    engine = Engine(smollm2, self_drafter, GraftConfig(budget=8))
+    got = decode_batch(engine, prompts[:2], "graft+pld", max_batch=2, max_new_tokens=24,
+                       policy={1: GraftConfig(budget=32)})
+    assert [tokens for tokens, _ in got] == ar_alone[:2]
 
 
 def test_requests_join_and_leave_between_steps(smollm2, self_drafter, prompts, ar_alone):

@@ -1,6 +1,7 @@
 """graft-serve on SmolLM2 (fp32, graft with the first 10 layers as drafter): the official openai
 client, raw HTTP for bad input, streaming, stop strings, a client that goes away, a full queue, a
 bounded load test, and SIGTERM on the real CLI."""
+import asyncio
 import concurrent.futures
 import contextlib
 import json
@@ -252,6 +253,30 @@ def test_batched_client_that_goes_away_frees_its_row(batched):
         assert time.monotonic() < deadline, "the abandoned request kept its row"
         time.sleep(0.1)
     assert len(scheduler.batch) == 0 or all(j.request.max_tokens != 400 for j in scheduler.running.values())
+    assert client.completions.create(model=NAME, prompt="Hi", temperature=0, max_tokens=2).usage.completion_tokens
+
+
+def test_a_hostile_seed_fails_one_request_and_never_the_decode_thread(smollm2, batched):
+    """F2: ``seed: 2**64`` once raised in the batched scheduler's join, outside its try, and killed
+    the decode thread (every later request hung). Now a 400 at the edge, and a request that gets
+    past it anyway (a caller of the Scheduler itself) fails alone."""
+    url, scheduler, client = batched
+    r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "Hi", "temperature": 1, "seed": 2 ** 64})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    request = Request(kind="completion", model=NAME, prompt="Hi", max_tokens=2, temperature=1.0, top_p=1.0,
+                      seed=2 ** 64, stop=(), stream=False)
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job(request, smollm2.tokenizer.encode("Hi"), smollm2, loop)
+        scheduler.submit(job)
+        deadline = time.monotonic() + 60
+        while not job.done:
+            assert time.monotonic() < deadline, "the job never ended"
+            time.sleep(0.05)
+    finally:
+        loop.close()
+    assert job.finish_reason == "error" and "seed" in str(job.error)
+    assert scheduler.alive and httpx.get(url + "/health").status_code == 200
     assert client.completions.create(model=NAME, prompt="Hi", temperature=0, max_tokens=2).usage.completion_tokens
 
 

@@ -55,10 +55,15 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
     return float(x)
 
 
+INT64 = (-2 ** 63, 2 ** 63 - 1)   # OpenAI's integer fields are int64; a larger one would overflow a tensor
+
+
 def _int(body: dict, name: str, default: int | None) -> int | None:
     x = body.get(name, default)
     if x is not None and (isinstance(x, bool) or not isinstance(x, int)):
         raise _bad(name, f"expected an integer, got {x!r}")
+    if x is not None and not INT64[0] <= x <= INT64[1]:
+        raise _bad(name, f"must be a 64-bit integer in [{INT64[0]}, {INT64[1]}], got {x}")
     return x
 
 

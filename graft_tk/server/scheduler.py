@@ -205,9 +205,9 @@ class Scheduler:
 
     def _join(self, job: Job) -> None:
         r = job.request
-        generator = sampling_generator(self.target.device, r.temperature, r.seed)
         job.started = time.time()
-        try:
+        try:   # nothing a request brings may escape into the decode thread
+            generator = sampling_generator(self.target.device, r.temperature, r.seed)
             seq = self.batch.add(job.prompt_ids, r.max_tokens, r.temperature, r.top_p, generator, job.on_tokens)
         except Exception as e:  # noqa: BLE001
             log.exception("request %s failed", job.id)
