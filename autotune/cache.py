@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graft_tk._fs import atomic_write_text, graft_home
+from graft_tk._version import __version__
 from graft_tk.errors import CorruptFileError
 
 FORMAT = "graft_tk.autotune/1"
@@ -60,7 +61,6 @@ def environment(device_index: int | None = None) -> Environment:
     import torch
     import triton
 
-    import graft_tk  # here, not at the top: graft_tk/__init__ imports the kernels, which import us
     if torch.cuda.is_available():
         index = torch.cuda.current_device() if device_index is None else device_index
         gpu = torch.cuda.get_device_name(index)
@@ -68,7 +68,7 @@ def environment(device_index: int | None = None) -> Environment:
     else:
         gpu, capability = "cpu", ""
     return Environment(gpu=gpu, capability=capability, triton=triton.__version__, torch=torch.__version__,
-                       graft_tk=graft_tk.__version__)
+                       graft_tk=__version__)
 
 
 @dataclass(frozen=True)

@@ -80,8 +80,8 @@ def heuristic(bucket: str, device: torch.device | str = "cuda") -> dict:
 
 
 def inputs(bucket: str, device: torch.device | str = "cuda") -> tuple:
-    """(q, k, v, prefix_len, mask, scale) of the bucket's largest shape: T = min(rows, 64) tree nodes in a
-    causal (chain) mask, the rest of the rows as the GQA group, kv_len filling the bucket."""
+    """(q, k, v, prefix, block, keys, scale) of the bucket's largest shape: T = min(rows, 64) tree
+    nodes in a causal (chain) block, the rest of the rows as the GQA group, keys filling the bucket."""
     b = parse_bucket(bucket)
     rows, d, kv_len, dtype = b["rows"], b["head_dim"], b["kv_len"], DTYPES[b["dtype"]]
     t = min(rows, 64)
@@ -90,16 +90,17 @@ def inputs(bucket: str, device: torch.device | str = "cuda") -> tuple:
     q = torch.randn(1, KV_HEADS * group, t, d, generator=g).to(device=device, dtype=dtype)
     k = torch.randn(1, KV_HEADS, kv_len, d, generator=g).to(device=device, dtype=dtype)
     v = torch.randn(1, KV_HEADS, kv_len, d, generator=g).to(device=device, dtype=dtype)
-    mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-    return q, k, v, kv_len - t, mask, 1.0 / math.sqrt(d)
+    block = torch.ones(1, t, t, dtype=torch.bool, device=device).tril()
+    prefix = torch.tensor([kv_len - t], device=device)
+    return q, k, v, prefix, block, kv_len, 1.0 / math.sqrt(d)
 
 
 def benchmark(bucket: str, config: dict) -> float:
     """Milliseconds per launch on the current GPU (triton.testing.do_bench: median after warm-up)."""
     import triton.testing
-    q, k, v, prefix_len, mask, scale = inputs(bucket)
+    q, k, v, prefix, block, keys, scale = inputs(bucket)
     out = torch.empty_like(q)
-    return triton.testing.do_bench(lambda: _launch(q, k, v, prefix_len, mask, scale, out, config),
+    return triton.testing.do_bench(lambda: _launch(q, k, v, prefix, block, keys, scale, out, config),
                                    warmup=10, rep=40)
 
 

@@ -43,7 +43,7 @@ def main() -> None:
     drafter = load_drafter(spec, target, args.model, dtype=args.dtype)
     config = GraftConfig()
     if args.profile:
-        from graft_tk.calibration.profiles import find_profile
+        from graft_tk.profiles import find_profile
         profile = find_profile(target, drafter)
         if profile is None or profile.config.cost is None:
             sys.exit("no profile with a cost model for this pair: run graft-calibrate --cost-only first")

@@ -32,7 +32,7 @@ import time
 import graft_tk
 from graft_tk._fs import atomic_write_text
 from graft_tk.bench import default_drafter, load_drafter
-from graft_tk.calibration.profiles import batch_policy
+from graft_tk.profiles import batch_policy
 from graft_tk.config import USES_DRAFTER
 from graft_tk.decode import encode_prompt, resolve_config
 from graft_tk.prompts import load_prompts

@@ -24,7 +24,7 @@ from typing import Callable
 
 import optuna
 
-from graft_tk import __version__
+from graft_tk._version import __version__
 from graft_tk._fs import graft_home
 from graft_tk.acceptance import AcceptancePriors
 from graft_tk.config import USES_DRAFTER, USES_RETRIEVAL, GraftConfig
@@ -36,7 +36,7 @@ from graft_tk.models import Model
 from graft_tk.models.eagle3 import Eagle3Head
 from graft_tk.prompts import Prompt
 
-from .profiles import profile_key
+from graft_tk.profiles import profile_key
 from .warm_start import TAU_RANGE, WarmStart, suggest_tau
 
 WARMUP_TOKENS = 8

@@ -6,7 +6,7 @@ from .engine import Engine
 from .errors import GraftError
 from .models import Model, load_model
 from .models.eagle3_checkpoint import load_eagle3
+from ._version import __version__
 
-__version__ = "0.2.0"
 __all__ = ["decode", "DecodeResult", "GraftConfig", "Engine", "load_model", "load_eagle3", "Model", "GraftError",
            "__version__"]

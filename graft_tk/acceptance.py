@@ -1,29 +1,29 @@
-"""How likely is a candidate node to be accepted? Online estimates that the budget allocator ranks by.
+"""How likely is a candidate node to be accepted? Online rates that the budget allocator ranks by.
 
 Every candidate of a step gets an estimate, and ``build_tree`` values each tree node by
-log P(its whole path is accepted) and gives the N - 1 places to the highest (DESIGN.md §1 step 5):
+log P(its whole path is accepted) and gives the N - 1 places to the highest (DESIGN.md §1 step 5).
+Each source keeps its own rates (``Rates``) and turns them into values for its candidates:
 
-* drafted node: P(its path accepted | drafter score), a monotone (isotonic) fit over score
-  buckets, so a likelier drafter path never gets a lower estimate. Prior: the drafter's own
-  probability.
-* adjacency-matrix (retrieval) candidate at template position i: P(accepted | its tree parent
-  accepted), per position. Prior: 0.4 * 0.6**rank. ``build_tree`` multiplies it into the
-  parent node's value, so a chain grafted beneath a drafted node is valued through that node.
-* prompt-lookup candidate at chain position d after a matched n-gram of length g: P(accepted |
-  the previous position accepted, g). Prior: longer matches are likelier (0.3 for g = 1, up to 0.7).
+* drafted node (``graft_tk.drafting``): P(its path accepted | drafter score), a monotone
+  (isotonic) fit over score buckets (``DraftRates``), so a likelier drafter path never gets a
+  lower estimate. Prior: the drafter's own probability.
+* adjacency-matrix candidate at template position i (``graft_tk.sources.adjacency``):
+  P(accepted | its tree parent accepted), per position. Prior: 0.4 * 0.6**rank. ``build_tree``
+  multiplies it into the parent node's value, so a chain grafted beneath a drafted node is valued
+  through that node.
+* prompt-lookup candidate at chain position d after a matched n-gram of length g
+  (``graft_tk.sources.prompt_lookup``): P(accepted | the previous position accepted, g). Prior:
+  longer matches are likelier (0.3 for g = 1, up to 0.7).
 
-A grafted candidate is counted only when it made its own node: one whose token an earlier
-source (the drafter, then prompt lookup) already proposed adds nothing to the tree, and counting
-its acceptance, which is the other source's, made retrieval look several times likelier than it
-is on the nodes it adds.
+A grafted candidate is counted only when it made its own node (``outcome``): one whose token an
+earlier source already proposed adds nothing to the tree, and counting its acceptance, which is
+the other source's, made retrieval look several times likelier than it is on the nodes it adds.
 
 Counts decay by ``DECAY`` per step, so the estimates follow a change of workload within a few
 dozen steps; each prior weighs ``PRIOR_WEIGHT`` observations. ``AcceptancePriors`` learnt on the
-pair (``graft-calibrate``, kept in the profile's config) replace the generic priors above and
-weigh what the calibration run saw of each, up to ``LEARNT_PRIOR_WEIGHT``: a fresh engine then starts from what this drafter and this
-adjacency matrix are actually worth, not from a guess it needs a few dozen steps to unlearn.
-Everything stays on the device in fixed shapes: reading the estimates and updating them never
-waits for the host.
+pair (``graft-calibrate``, kept in the profile's config) replace the generic priors and weigh
+what the calibration run saw of each, up to ``LEARNT_PRIOR_WEIGHT``. Everything stays on the
+device in fixed shapes: reading the estimates and updating them never waits for the host.
 """
 from __future__ import annotations
 
@@ -32,9 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .adjacency import RetrievalTemplate
 from .errors import InputError
-from .tree import PROMPT_LOOKUP, RETRIEVAL, BuiltTree
+from .tree import BuiltTree
 
 SCORE_EDGES = (-6.0, -5.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.75, -0.5, -0.25)  # drafter log-prob buckets
 PRIOR_WEIGHT = 2.0
@@ -44,9 +43,9 @@ DECAY = 0.98
 
 @dataclass(frozen=True)
 class AcceptancePriors:
-    """What the estimates start from, learnt on a model pair (``AcceptanceEstimates.learnt``): each
-    rate with the observations it counts as, from ``PRIOR_WEIGHT`` (nothing seen: the generic
-    guess) up to ``LEARNT_PRIOR_WEIGHT``."""
+    """What the rates start from, learnt on a model pair (``Engine.learnt_priors``): each rate with
+    the observations it counts as, from ``PRIOR_WEIGHT`` (nothing seen: the generic guess) up to
+    ``LEARNT_PRIOR_WEIGHT``."""
     draft: tuple[float, ...]      # P(drafted path accepted) per score bucket, len(SCORE_EDGES) + 1, non-decreasing
     retrieval: tuple[float, ...]  # P(accepted | parent accepted) by rank 0, 1, ... (the last repeats)
     pld: tuple[float, ...]        # P(accepted | previous accepted) by matched n-gram length 1, 2, ... (the last repeats)
@@ -70,7 +69,7 @@ class AcceptancePriors:
                              f"{len(self.draft)}: relearn with graft-calibrate --cost-only")
 
 
-def _lookup(values: tuple[float, ...], index: Tensor) -> Tensor:
+def lookup(values: tuple[float, ...], index: Tensor) -> Tensor:
     """values[index], the last value repeating past the end."""
     return torch.tensor(values, device=index.device)[index.clamp(max=len(values) - 1)]
 
@@ -89,137 +88,78 @@ def isotonic_fit(rate: Tensor, weight: Tensor) -> Tensor:
     return outer.max(0).values
 
 
-class AcceptanceEstimates:
-    """Device-side acceptance statistics per source; see the module docstring."""
+class Rates:
+    """P(accepted) per cell of a fixed-shape table: decayed (trials, accepted) counts and a prior,
+    ``(accepted + weight * prior) / (trials + weight)``."""
 
-    def __init__(self, template: RetrievalTemplate, pld_tokens: int, pld_max_ngram: int,
-                 device: torch.device | str, priors: AcceptancePriors | None = None, decay: float = DECAY):
-        self.device, self.decay = torch.device(device), decay
+    def __init__(self, prior: Tensor, weight: Tensor, decay: float = DECAY):
+        self.prior, self.weight, self.decay = prior.float(), weight.float(), decay
+        self.n, self.acc = torch.zeros_like(self.prior), torch.zeros_like(self.prior)
+
+    def rate(self) -> Tensor:
+        return (self.acc + self.weight * self.prior) / (self.n + self.weight)
+
+    def count(self, cells: Tensor, tried: Tensor, accepted: Tensor) -> None:
+        """A step's outcome: decay, then add ``tried`` / ``accepted`` (float, any shape) to the
+        cells of the flattened table at ``cells`` (int64, the same shape)."""
+        self.n.mul_(self.decay)
+        self.acc.mul_(self.decay)
+        self.n.view(-1).index_add_(0, cells.reshape(-1), tried.reshape(-1).float())
+        self.acc.view(-1).index_add_(0, cells.reshape(-1), accepted.reshape(-1).float())
+
+    def learnt_weight(self, n: Tensor | None = None) -> Tensor:
+        """The weight a learnt prior from these counts carries (capped)."""
+        return (self.weight + (self.n if n is None else n)).clamp(max=LEARNT_PRIOR_WEIGHT)
+
+
+class DraftRates(Rates):
+    """P(a drafted node's path is accepted) per drafter-score bucket, non-decreasing in the score."""
+
+    def __init__(self, priors: AcceptancePriors | None, device):
         self.edges = torch.tensor(SCORE_EDGES, device=device)
-        B, T, G, L = len(SCORE_EDGES) + 1, template.n, pld_max_ngram, pld_tokens
-        self.template = template
-        ranks, ngrams = template.ranks.to(device).long(), torch.arange(G, device=device)
-        # each prior and the observations it counts as: [B], [T], [G, L]
         if priors is None:
             mids = torch.tensor((SCORE_EDGES[0] - 1.0,) + tuple((a + b) / 2 for a, b in zip(SCORE_EDGES, SCORE_EDGES[1:]))
                                 + (SCORE_EDGES[-1] / 2,), device=device)
-            self.draft_prior = mids.exp()
-            self.retrieval_prior = 0.4 * 0.6 ** ranks.float()
-            pld_prior = (0.3 + 0.2 * ngrams.float()).clamp(max=0.7)
-            self.draft_w = torch.full((B,), PRIOR_WEIGHT, device=device)
-            self.retrieval_w = torch.full((T,), PRIOR_WEIGHT, device=device)
-            pld_w = torch.full((G,), PRIOR_WEIGHT, device=device)
+            super().__init__(mids.exp(), torch.full((len(SCORE_EDGES) + 1,), PRIOR_WEIGHT, device=device))
         else:
-            self.draft_prior = torch.tensor(priors.draft, device=device)
-            self.retrieval_prior = _lookup(priors.retrieval, ranks)
-            pld_prior = _lookup(priors.pld, ngrams)
-            self.draft_w = torch.tensor(priors.draft_weight, device=device)
-            self.retrieval_w = _lookup(priors.retrieval_weight, ranks)
-            pld_w = _lookup(priors.pld_weight, ngrams)
-        self.pld_prior, self.pld_w = pld_prior[:, None].expand(G, L), pld_w[:, None].expand(G, L)
-        # (trials, accepted) counts, decayed each step
-        self.draft_n, self.draft_acc = torch.zeros(B, device=device), torch.zeros(B, device=device)
-        self.retrieval_n, self.retrieval_acc = torch.zeros(T, device=device), torch.zeros(T, device=device)
-        self.pld_n, self.pld_acc = torch.zeros(G, L, device=device), torch.zeros(G, L, device=device)
+            super().__init__(torch.tensor(priors.draft, device=device),
+                             torch.tensor(priors.draft_weight, device=device))
 
-    # ----------------------------------------------------------------- estimates (log P)
-    @staticmethod
-    def _rate(acc: Tensor, n: Tensor, prior: Tensor, weight: Tensor) -> Tensor:
-        return (acc + weight * prior) / (n + weight)
+    def rate(self) -> Tensor:
+        return isotonic_fit(super().rate(), self.n + self.weight)
 
-    def draft_rates(self) -> Tensor:
-        """P(a drafted node is accepted) per score bucket [B], non-decreasing in the score."""
-        return isotonic_fit(self._rate(self.draft_acc, self.draft_n, self.draft_prior, self.draft_w),
-                            self.draft_n + self.draft_w)
-
-    def draft_values(self, scores: Tensor) -> Tensor:
+    def values(self, scores: Tensor) -> Tensor:
         """log P(accepted) of drafted nodes with these drafter scores (cumulative log-probs)."""
-        return self.draft_rates().log()[torch.bucketize(scores.float(), self.edges)]
+        return self.rate().log()[torch.bucketize(scores.float(), self.edges)]
 
-    def retrieval_values(self) -> Tensor:
-        """log P(accepted | tree parent accepted) of every retrieval template position [T]."""
-        return self._rate(self.retrieval_acc, self.retrieval_n, self.retrieval_prior, self.retrieval_w).log()
-
-    def pld_values(self, ngram: int | Tensor) -> Tensor:
-        """log P(chain position d accepted | position d - 1 accepted) [L] after a matched n-gram of
-        length ``ngram`` (an int or a 0-d device tensor; 0 = no match, valued as 1)."""
-        g = self._ngram_row(ngram)
-        return self._rate(self.pld_acc[g], self.pld_n[g], self.pld_prior[g], self.pld_w[g]).log()
-
-    def _ngram_row(self, ngram: int | Tensor) -> Tensor:
-        return torch.as_tensor(ngram, device=self.device).clamp(1, self.pld_n.shape[0]) - 1
-
-    @staticmethod
-    def node_probs(built: BuiltTree) -> Tensor:
-        """Estimated P(on the accepted path) of each node of a built tree [N] (root and padding 0):
-        the values ``build_tree`` chose the nodes by (a token two sources propose is one node)."""
-        return built.values.exp().masked_fill(built.parents < 0, 0.0)
-
-    # ----------------------------------------------------------------- online update
-    def update(self, built: BuiltTree, path: Tensor, pld_span: tuple[int, int] | None, ngram: Tensor | None,
-               retrieval_span: tuple[int, int] | None) -> None:
-        """Count this step's outcome. ``path``: accepted node indices, root first, padded with -1;
-        ``*_span``: where each source's candidates sit in ``build_tree``'s candidate list."""
-        N = built.tokens.shape[0]
-        on_path = torch.zeros(N + 1, dtype=torch.bool, device=path.device)
-        on_path[torch.where(path >= 0, path, N)] = True
-        on_path = on_path[:N]
-        parent_on_path = on_path[built.parents.long().clamp(min=0)] | (built.parents < 0)
-        for counts in (self.draft_n, self.draft_acc, self.retrieval_n, self.retrieval_acc, self.pld_n, self.pld_acc):
-            counts.mul_(self.decay)
+    def observe(self, built: BuiltTree, on_path: Tensor) -> None:
+        """Count every verified drafted node of every row by its score bucket."""
         drafted = (built.pool_index >= 0).float()
         bucket = torch.bucketize(built.scores.clamp(min=-1e4), self.edges)   # padding's -inf -> bucket 0, weight 0
-        self.draft_n.scatter_add_(0, bucket, drafted)
-        self.draft_acc.scatter_add_(0, bucket, drafted * on_path.float())
-        if retrieval_span is not None:
-            tried, accepted = self._count(built.cand_node[retrieval_span[0]:retrieval_span[1]], RETRIEVAL, built,
-                                          on_path, parent_on_path)
-            self.retrieval_n.add_(tried)
-            self.retrieval_acc.add_(accepted)
-        if pld_span is not None:    # without a match the chain is all padding: nothing is tried
-            tried, accepted = self._count(built.cand_node[pld_span[0]:pld_span[1]], PROMPT_LOOKUP, built,
-                                          on_path, parent_on_path)
-            g = self._ngram_row(ngram).view(1)
-            self.pld_n.index_add_(0, g, tried[None])
-            self.pld_acc.index_add_(0, g, accepted[None])
+        self.count(bucket, drafted, drafted * on_path.float())
 
-    @staticmethod
-    def _count(nodes: Tensor, source: int, built: BuiltTree, on_path: Tensor, parent_on_path: Tensor
-               ) -> tuple[Tensor, Tensor]:
-        """(tried, accepted) per candidate position of ``source``: tried when it made its own node
-        (not one an earlier source proposed) and that node was verified with its parent accepted."""
-        node = nodes.long()
-        idx = node.clamp(min=0)
-        tried = (node >= 0) & (built.source[idx] == source) & parent_on_path[idx]
-        return tried.float(), (tried & on_path[idx]).float()
 
-    def learnt(self) -> AcceptancePriors:
-        """The priors these counts support (run with ``decay=1`` to learn from a whole calibration
-        run): drafted rates per score bucket, retrieval rates pooled by rank, prompt-lookup rates
-        pooled over chain positions per n-gram length, each weighing what was seen of it (a rate
-        the run never observed stays the guess it was, at the weight it had). Syncs."""
-        def probs(t: Tensor) -> tuple[float, ...]:
-            return tuple(round(min(max(x, 1e-4), 1.0), 6) for x in t.tolist())
+def on_path_mask(path: Tensor) -> Tensor:
+    """bool [B, N]: which nodes lie on each row's accepted ``path`` [B, N] (-1 padded)."""
+    B, N = path.shape
+    on_path = torch.zeros(B, N + 1, dtype=torch.bool, device=path.device)
+    on_path.scatter_(1, torch.where(path >= 0, path, N), True)
+    return on_path[:, :N]
 
-        def weights(prior_w: Tensor, n: Tensor) -> tuple[float, ...]:
-            return tuple(round(x, 3) for x in (prior_w + n).clamp(max=LEARNT_PRIOR_WEIGHT).tolist())
 
-        ranks = self.template.ranks.to(self.device).long()
-        by_rank = lambda t: torch.zeros(int(ranks.max()) + 1, device=self.device).index_add_(0, ranks, t)  # noqa: E731
-        per_rank = by_rank(torch.ones_like(self.retrieval_prior)).clamp(min=1)
-        rank_prior, rank_w = by_rank(self.retrieval_prior) / per_rank, by_rank(self.retrieval_w) / per_rank
-        retrieval_n, pld_n = by_rank(self.retrieval_n), self.pld_n.sum(1)
-        return AcceptancePriors(
-            draft=probs(self.draft_rates()),
-            retrieval=probs(self._rate(by_rank(self.retrieval_acc), retrieval_n, rank_prior, rank_w)),
-            pld=probs(self._rate(self.pld_acc.sum(1), pld_n, self.pld_prior[:, 0], self.pld_w[:, 0])),
-            draft_weight=weights(self.draft_w, self.draft_n), retrieval_weight=weights(rank_w, retrieval_n),
-            pld_weight=weights(self.pld_w[:, 0], pld_n))
+def outcome(built: BuiltTree, on_path: Tensor, nodes: Tensor, code: int) -> tuple[Tensor, Tensor]:
+    """(tried, accepted) float [B, C] of a grafted source's candidates, given the tree node each
+    landed on (``nodes`` = its slice of ``built.cand_node``) and its source ``code``: tried when it
+    made its own node (not one an earlier source proposed) and that node's parent was accepted."""
+    node = nodes.long()
+    idx = node.clamp(min=0)
+    parent = built.parents.long()
+    parent_on_path = on_path.gather(1, parent.clamp(min=0)) | (parent < 0)
+    tried = (node >= 0) & (built.source.gather(1, idx) == code) & parent_on_path.gather(1, idx)
+    return tried.float(), (tried & on_path.gather(1, idx)).float()
 
-    def summary(self) -> dict:
-        """Host copy of the current estimates (for stats and reports; syncs): drafted paths by score
-        bucket, retrieval and prompt-lookup positions given their parent accepted."""
-        return {"draft_by_score_bucket": [round(x, 4) for x in self.draft_rates().tolist()],
-                "retrieval_by_position": [round(x, 4) for x in self.retrieval_values().exp().tolist()],
-                "pld_by_ngram": [[round(x, 4) for x in self.pld_values(g + 1).exp().tolist()]
-                                 for g in range(self.pld_n.shape[0])]}
+
+def node_probs(built: BuiltTree) -> Tensor:
+    """Estimated P(on the accepted path) of each node [B, N] (root and padding 0): the values
+    ``build_tree`` chose the nodes by (a token two sources propose is one node)."""
+    return built.values.exp().masked_fill(built.parents < 0, 0.0)

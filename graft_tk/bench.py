@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from . import __version__
+from ._version import __version__
 from . import config as config_mod
 from ._fs import atomic_write_text
 from .anchors import ANCHOR_NAMES, LLAMA_CPP_ANCHORS, Anchors

@@ -7,29 +7,9 @@ from .acceptance import AcceptancePriors
 from .cost import StepCost
 from .errors import InputError
 
-# Methods, all at the same verification budget N so that comparisons are fair. The sources of
-# candidate nodes are the drafter, the adjacency matrix (retrieval) and prompt lookup; every method
-# names the sources it uses, so each one's share can be measured on its own:
-#   ar             plain decoding, one target forward per token
-#   tree           drafter-only tree of fixed depth D, EAGLE-2 rerank to N
-#   pruned         drafter tree with calibrated dynamic depth (tau); freed budget left unused
-#   retrieval      Token Recycling: adjacency-matrix candidates only, no drafter
-#   graft          the paper's: pruned drafter tree + adjacency-matrix candidates in the freed budget
-#   pld            prompt lookup: the tokens that followed the last n-gram earlier in the context
-#   graft+pld      graft with prompt lookup as a third source
-#   tree+pld, retrieval+pld   the baselines with prompt lookup added
-# Whenever a method has several sources, the budget goes to the candidates likeliest to be
-# accepted (graft_tk.acceptance estimates it online; build_tree allocates).
-METHODS = ("ar", "tree", "pruned", "retrieval", "graft", "pld", "graft+pld", "tree+pld", "retrieval+pld")
-USES_DRAFTER = {"tree", "pruned", "graft", "graft+pld", "tree+pld"}
-USES_RETRIEVAL = {"retrieval", "graft", "graft+pld", "retrieval+pld"}
-USES_PROMPT_LOOKUP = {"pld", "graft+pld", "tree+pld", "retrieval+pld"}
-PRUNES = {"pruned", "graft", "graft+pld"}   # drafting stops, and drafted nodes are cut, below tau
-
-
 @dataclass(frozen=True)
 class GraftConfig:
-    budget: int = 16        # N: tree nodes verified per target forward, root included
+    budget: int = 16        # N: tree nodes verified per target forward, root included (methods: graft_tk.methods)
     tau: float = 0.1        # drafted node kept only if its drafter path probability >= tau
     top_k: int = 4          # K: children per expanded node, and frontier width per depth
     max_depth: int = 6      # D: drafter expansions per step at most; 0: no drafting (a batch policy's
@@ -39,9 +19,9 @@ class GraftConfig:
     warm_from_prefill: bool = True  # fill M from the prompt's logits before the first step
     pld_tokens: int = 10    # prompt-lookup chain length (the *pld methods)
     pld_max_ngram: int = 3  # longest suffix n-gram looked up (down to 1)
-    # The device's cost model (graft-calibrate --cost-only). When set, the methods that prune
-    # choose their drafting depth and (when the verify size may vary) their budget per step by
-    # expected gain (graft_tk.policy); budget, tau and max_depth become bounds. None: fixed.
+    # The device's cost model (graft-calibrate --cost-only). When set, a request of a method that
+    # prunes, decoding alone, chooses whether to draft and how deep per step by expected gain
+    # (graft_tk.policy); tau and max_depth become bounds. None: fixed.
     cost: StepCost | None = None
     # Where the acceptance estimates start (learnt on this pair by graft-calibrate); None: generic priors.
     priors: AcceptancePriors | None = None

@@ -6,27 +6,15 @@
     draft_ms[w - 1]    a drafter forward of w tokens (a frontier of w nodes), w = 1 .. N
     step_ms            the rest of a step: build the tree, accept, commit, the host read
 
-``measure_step_cost`` measures them once per (target, drafter, device, dtype) — ``graft-calibrate
---cost-only``, a minute or two — and the profile keeps them in its config (``GraftConfig.cost``).
-Forwards are timed at a few widths (1, 2, 3, 4, 6, 8, 12, 16, ...) after ``context`` cached
-tokens and interpolated in between; a curve is made non-decreasing (a wider forward never costs
-less; what looks cheaper is timing noise). How a forward grows with the context: on this CPU a
-one-token target forward at 3,000 cached tokens costs ~1.1x its cost at 100 (README), so one
-measurement at a few hundred tokens serves every context a decode reaches; a GPU with a very long
-context (tens of thousands) is the case where it should be remeasured at that length.
+``graft_tk.calibration.cost.measure_step_cost`` measures them once per (target, drafter, device,
+dtype) — ``graft-calibrate --cost-only``, a minute or two — and the profile keeps them in its
+config (``GraftConfig.cost``).
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
 
 from .errors import InputError
-
-SAMPLE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 @dataclass(frozen=True)
@@ -52,107 +40,3 @@ class StepCost:
         if width <= len(self.draft_ms):
             return self.draft_ms[width - 1]
         return self.draft_ms[-1] * width / len(self.draft_ms)
-
-
-def interpolate(points: dict[int, float], n_max: int) -> tuple[float, ...]:
-    """Values at 1 .. n_max from values at some widths: linear in between, flat past the last,
-    then a running max (non-decreasing)."""
-    xs = sorted(points)
-    out, best = [], 0.0
-    for n in range(1, n_max + 1):
-        hi = next((x for x in xs if x >= n), xs[-1])
-        lo = max((x for x in xs if x <= n), default=xs[0])
-        v = points[lo] if hi == lo else points[lo] + (points[hi] - points[lo]) * (n - lo) / (hi - lo)
-        best = max(best, v)
-        out.append(best)
-    return tuple(out)
-
-
-def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` calls after one untimed call."""
-    times = []
-    with torch.inference_mode():
-        for _ in range(repeats + 1):
-            t = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times[1:]) * 1000
-
-
-def forward_ms(run: Callable[[torch.Tensor, torch.Tensor, int], object], device: torch.device, q: int,
-               prefix: int, repeats: int) -> float:
-    """Median milliseconds of ``run(tokens [1, q], positions [q], start=prefix)`` after one untimed call."""
-    return median_ms(lambda: run(torch.randint(1000, (1, q), device=device),
-                                 torch.arange(prefix, prefix + q, device=device), prefix), device, repeats)
-
-
-def forward_curve(net, run, device: torch.device, n_max: int, context: int, repeats: int,
-                  progress: Callable[[str], None] | None = None) -> tuple[float, ...]:
-    """A model's forward cost at 1 .. n_max tokens after ``context`` cached ones (random KV: what is
-    read costs the same as a prefill's)."""
-    with torch.inference_mode():
-        net.setup_cache(context + n_max)
-        net.kv.normal_(0, 0.5)
-    points = {}
-    for q in [w for w in SAMPLE_WIDTHS if w < n_max] + [n_max]:
-        points[q] = forward_ms(run, device, q, context, repeats)
-        if progress:
-            progress(f"{q} tokens: {points[q]:.1f} ms")
-    return interpolate(points, n_max)
-
-
-def measure_step_cost(target, drafter, config, compile: bool = False, context: int = 256, repeats: int = 3,
-                      progress: Callable[[str], None] | None = None) -> StepCost:
-    """Measure ``StepCost`` for this target (and drafter: a ``Model`` or an EAGLE-3 head) on their
-    device, up to ``config.budget`` tokens; ``compile``: the compiled step forwards (graft_tk.compiled).
-
-    The forwards are timed alone; ``step_ms`` is what a short real decode (``graft``, or
-    ``retrieval`` without a drafter) spends per step outside them. Clobbers the models' KV caches
-    (no decode may be running on them).
-    """
-    from .compiled import StepForward
-    from .engine import Engine
-    from .models.eagle3 import Eagle3Head
-
-    device, n_max = target.device, config.budget
-    say = progress or (lambda msg: None)
-    step = StepForward(target.net, compile)
-    say(f"target {target.name}: forwards of 1 .. {n_max} tokens after {context} cached")
-    verify = forward_curve(target.net, step, device, n_max, context, repeats, say)
-    draft: tuple[float, ...] = ()
-    if isinstance(drafter, Eagle3Head):
-        width = drafter.config.fused_size
-
-        def head(t, p, s):
-            return drafter(t, p, s, features=torch.randn(1, t.shape[1], width, device=device,
-                                                           dtype=drafter.fc.weight.dtype))
-        say(f"EAGLE-3 head: forwards of 1 .. {n_max} entries")
-        draft = forward_curve(drafter, head, device, n_max, context, repeats, say)
-    elif drafter is not None:
-        dstep = StepForward(drafter.net, compile, dynamic=True)
-        say(f"drafter {drafter.name}: forwards of 1 .. {n_max} tokens")
-        draft = forward_curve(drafter.net, dstep, device, n_max, context, repeats, say)
-    say("the rest of a step: a short decode")
-    engine = Engine(target, drafter, config, compile=compile)
-    prompt = target.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
-    with torch.inference_mode():
-        _, stats = engine.generate(prompt, "graft" if drafter is not None else "retrieval", 24, 0.0, 1.0, None, None)
-    split = stats["time_split"]
-    # Acceptance runs in the decode's "verify" phase, with the forward (graft_tk.verify_chain): timed alone.
-    step_ms = 1000 * (split["retrieve"] + split["commit"]) / max(stats["steps"], 1) + accept_ms(engine, repeats)
-    return StepCost(verify_ms=verify, draft_ms=draft, step_ms=step_ms, context=context)
-
-
-def accept_ms(engine, repeats: int) -> float:
-    """Median milliseconds of the engine's acceptance (with its M update) of a tree at its budget N
-    (a chain of N nodes, random logits); what a step spends on it does not depend on the tokens."""
-    from .tree import Tree
-
-    device, n, vocab = engine.target.device, engine.config.budget, engine.target.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    tree = Tree.from_lists(torch.randint(vocab, (n,), generator=g).tolist(), list(range(-1, n - 1)), device=device)
-    logits = torch.randn(n, vocab, generator=g).to(device)
-    adjacency = engine.adjacency.clone()
-    return median_ms(lambda: engine.ops.accept(tree, logits, adjacency, 0.0, 1.0), device, repeats)

@@ -1,24 +1,29 @@
-"""Drafting a token tree: EAGLE-2 style expansion with dynamic depth, behind a small interface.
+"""Drafting every row's token tree at once: EAGLE-2 style expansion with dynamic depth (the ``draft`` source).
 
-The engine talks to a ``Drafter``: ``start`` (after the target's prefill), ``draft`` (one step's
-candidate pool) and ``commit`` (after acceptance). Two implementations share the expansion loop
-(``expand``), which runs ONE drafter forward per depth over the whole frontier (K nodes) with a
-tree mask over scratch cache slots, never one per node:
+A ``Drafter`` keeps one cache row per batch row. Its ``draft`` grows every drafting row's tree
+together, ONE drafter forward per depth for the whole batch (``expand``):
 
-* ``ModelDrafter``: a small model with the target's tokenizer. It keeps its own KV cache; its
-  first ``kv_len`` slots hold committed tokens (the prompt runs in ``start``, with the target's
-  prefill), the committed tokens it has not seen yet (the root last) run in the step's first
-  forward, which also gives the root's next-token distribution.
-  After acceptance the KV of accepted draft nodes is moved into place, never recomputed.
+1. catch-up: each row's committed tokens its cache has not seen yet (the root last), left-aligned
+   in one forward (padding writes to a trash slot); the root's logits start the tree.
+2. depth d = 1 .. D: ``ops.draft_expand`` gives every frontier node its top-K children
+   (cumulative log-prob scores) and the K best children of each row become its next frontier;
+   the frontier runs through the drafter in one forward with a tree mask over scratch slots
+   after the root (frontier node j of depth d at scratch slot (d - 1) K + j: a fixed layout).
+   A row stops once every new child scores below its log tau (scores only fall with depth, so
+   nothing deeper could pass): one host read per depth tells which rows go on, and only when some
+   row prunes. Rows that stopped or do not draft ride along with their writes sent to the trash
+   slot and their results dropped, so every forward has the batch's shape.
+
+``draft`` returns every candidate created (the *pool*); choosing which enter the tree (tau, the
+best N - 1, grafting) is ``build_tree``'s job. After acceptance ``commit`` keeps the KV of the
+accepted drafted nodes (a small model) or the accepted path's target features (EAGLE-3).
+
+* ``ModelDrafter``: a small model with the target's tokenizer, its own KV cache.
 * ``Eagle3Drafter``: an EAGLE-3 head over the target's fused features (``target_layers``, which
-  the engine requests in its prefill and verify forwards). Head entry j pairs the target features
-  of committed token x_j with the token x_{j+1} and predicts x_{j+2}; draft nodes feed their
-  parent entry's own ``hidden`` instead (EAGLE's test-time behaviour). After acceptance the head
-  must see the TARGET features of the accepted path, so ``commit`` keeps those rows and the next
-  step's first forward re-runs the accepted tokens (the draft entries' KV is discarded).
-
-``draft`` returns every candidate it created (the *pool*); choosing which of them enter the tree
-(tau, best N-1, grafting retrieval) is ``build_tree``'s job, in one op.
+  the step asks of its prefill and verify forwards). Head entry j pairs the target features of
+  committed token x_j with x_{j+1} and predicts x_{j+2}; draft nodes feed their parent's own
+  ``hidden`` instead (EAGLE's test-time behaviour). The accepted path's TARGET features wait
+  (``pending``) and run in the next step's catch-up.
 """
 from __future__ import annotations
 
@@ -29,198 +34,240 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor, nn
 
-from .backend import HOST_READS
 from .compiled import StepForward
-from .config import GraftConfig
+from .counters import host_read
 from .models import Model
+from .models.attention import AttentionPlan
 from .models.eagle3 import Eagle3Head
 from .ops import Ops
 
 
 @dataclass
 class DraftPool:
-    """The drafter's candidates in creation order (parents before children); see ``build_tree``."""
-    tokens: Tensor      # int64 [P]
-    parents: Tensor     # int64 [P]  -1 = child of the root, else an earlier pool index
-    scores: Tensor      # float32 [P] cumulative drafter log-prob
-    depth: Tensor       # int64 [P]
-    n: int              # valid entries (a host count: F*K per depth, known without a sync)
-    slots: Tensor       # int64 [P] drafter cache slot holding each entry's KV, -1 if never run
-    widths: tuple[int, ...]   # tokens in each drafter forward of this step (the cost model prices them)
+    """Every row's drafted candidates in creation order (parents before children); see ``build_tree``."""
+    tokens: Tensor      # int64 [B, P]
+    parents: Tensor     # int64 [B, P]  -1 = child of the root, else an earlier pool index
+    scores: Tensor      # float32 [B, P] cumulative drafter log-prob
+    depth: Tensor       # int64 [B, P]
+    slots: Tensor       # int64 [B, P] drafter cache slot holding each entry's KV, -1 if never run
+    n: Tensor           # int64 [B]: valid entries of each row (K + (d - 1) K^2 after d depths)
+    forwards: list[int]   # drafter forwards each row took part in this step (0: it did not draft)
+    widths: tuple[int, ...]   # tokens per row in each drafter forward of the step (the cost model prices them)
 
     @classmethod
-    def empty(cls, device) -> "DraftPool":
-        """No drafter: retrieval-only methods graft onto the bare root."""
-        z = torch.zeros(0, dtype=torch.long, device=device)
-        return cls(z, z, torch.zeros(0, device=device), z, 0, z, ())
-
-    @property
-    def forwards(self) -> int:
-        """Drafter forward passes this step."""
-        return len(self.widths)
+    def empty(cls, batch: int, device) -> "DraftPool":
+        """No drafting: the grafted sources fill the tree from the bare root."""
+        z = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        return cls(z, z, torch.zeros(batch, 0, device=device), z, z,
+                   torch.zeros(batch, dtype=torch.long, device=device), [0] * batch, ())
 
     def slots_of(self, pool_index: Tensor) -> Tensor:
-        """Drafter cache slot of each tree node (``build_tree``'s pool_index; -1: not drafted or never run)."""
-        if self.slots.shape[0] == 0:
+        """Drafter cache slot of each tree node [B, N] (``build_tree``'s pool_index; -1: not drafted or never run)."""
+        if self.slots.shape[1] == 0:
             return torch.full_like(pool_index, -1)
-        return self.slots[pool_index.clamp(min=0)].masked_fill(pool_index < 0, -1)
+        return self.slots.gather(1, pool_index.clamp(min=0)).masked_fill(pool_index < 0, -1)
 
 
-class Drafter(Protocol):
-    """What the engine needs from a drafter (see the module docstring)."""
-    net: nn.Module                          # the drafter's network
-    target_layers: tuple[int, ...] | None   # target features to request in prefill / verify (None: none)
-
-    def start(self, prompt: Tensor, max_len: int, features: Tensor | None, ops: Ops) -> None:
-        """A new request: the target prefilled ``prompt`` [n] (``features`` [n, F] when asked for);
-        the drafter runs its own pass over the prompt here, so that a step's first forward holds
-        only the tokens committed since."""
-
-    def draft(self, context: Tensor, length: int, cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
-        """The candidate pool under the root ``context[length - 1]`` (``context[:length]``: the
-        committed tokens, on the device)."""
-
-    def commit(self, path: Tensor, path_slots: Tensor, path_slots_host: list[int], features: Tensor | None,
-               ops: Ops) -> None:
-        """After acceptance: ``path`` [m] tree nodes accepted (root first), ``path_slots`` [>= m]
-        their drafter cache slots on the device (-1: not drafted / never run), the first m of them
-        as read on the host, ``features`` [N, F] the verify forward's."""
+@dataclass
+class DraftRequest:
+    """What ``draft`` needs of the step: ``context`` [B, L] and the host's ``length`` of every
+    row, which rows draft, each row's log tau (host floats: -inf never prunes), K and D."""
+    context: Tensor
+    length: list[int]
+    active: list[bool]
+    log_tau: list[float]
+    top_k: int
+    max_depth: int
 
 
 def drafter_cache_slots(tokens: int, top_k: int, max_depth: int) -> int:
-    """Slots a drafter's cache needs for a request of ``tokens`` (prompt + new tokens): each of them
-    once committed, and a step's scratch above them: ``top_k`` nodes per depth and the root."""
-    return tokens + top_k * max_depth + 1
+    """Slots a drafter's cache row needs for a request of ``tokens`` (prompt + new tokens): each of
+    them once committed, a step's scratch above them (``top_k`` per depth after the first) and the
+    trash slot padding writes to."""
+    return tokens + top_k * max_depth + 2
 
 
-# Runs one depth's frontier: (tokens [F], parent_rows [F] = each node's parent's row in the previous
-# forward's logits, positions [F], start, attn_mask, mask_prefix) -> logits [F, V].
-FrontierForward = Callable[[Tensor, Tensor, Tensor, int, Tensor, int], Tensor]
+class Drafter(Protocol):
+    """What the step needs from a drafter (see the module docstring). Rows are batch rows."""
+    net: nn.Module
+    target_layers: tuple[int, ...] | None   # target features to request in prefill / verify (None: none)
+
+    def reserve(self, rows: int, slots: int) -> None:
+        """Cache rows for ``rows`` requests of ``slots`` slots each (what rows hold is kept)."""
+
+    def start(self, row: int, prompt: Tensor, features: Tensor | None, ops: Ops) -> None:
+        """A new request in ``row``: the target prefilled ``prompt`` [n] (``features`` [n, F] when
+        asked for); the drafter runs its own pass over the prompt."""
+
+    def draft(self, request: DraftRequest, ops: Ops) -> DraftPool:
+        """Every active row's candidate pool under its root ``context[b, length[b] - 1]``."""
+
+    def commit(self, path: Tensor, n_path: list[int], path_slots: list[list[int]], node_slots: Tensor,
+               features: Tensor | None, ops: Ops) -> None:
+        """After acceptance: ``path`` [B, N] accepted nodes (root first), ``n_path`` their count per
+        row, ``path_slots`` their drafter cache slots as read by the host (-1: not drafted / never
+        run), ``node_slots`` [B, N] every node's slot on the device, ``features`` [B, N, F] the
+        verify forward's."""
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Request ``src`` now lives in row ``dst`` (a batch keeps its rows packed)."""
 
 
-def expand(logits: Tensor, first_width: int, forward: FrontierForward, root_slot: int, cfg: GraftConfig,
-           log_tau: float, ops: Ops, vocab_map: Tensor | None = None) -> DraftPool:
-    """Expand from the root (``logits`` [1, V], its next-token logits, from a forward of
-    ``first_width`` tokens) up to ``cfg.max_depth`` depths. ``vocab_map`` [V]: the logits are over
-    a drafter vocabulary and entry i is the token of its id i (an EAGLE-3 head's ``draft_ids``):
-    the K best of each row are ranked there and only they are mapped.
+def expand(request: DraftRequest, root_logits: Tensor, catch_up: int, frontier_forward: Callable,
+           root_slot: Tensor, trash_slot: int, ops: Ops, vocab_map: Tensor | None = None) -> DraftPool:
+    """Grow every active row's tree from its root's logits ``root_logits`` [B, 1, V] (a catch-up
+    forward of ``catch_up`` tokens per row) up to D depths; see the module docstring.
 
-    The root's KV is in cache slot ``root_slot``; each depth's frontier gets scratch slots after it.
-    Expansion stops early once every new child scores below ``log_tau`` (scores only fall with
-    depth, so nothing deeper could pass); ``log_tau = -inf`` drafts the full depth D (``tree``).
+    ``frontier_forward(tokens [B, K], parent_rows [B, K], positions [B, K], plan)`` runs a depth's
+    frontier (``parent_rows``: each node's parent's row in the previous forward) and returns its
+    logits [B, K, V]. ``root_slot`` [B]: each row's root slot; its scratch slots follow; rows that
+    do not expand write to ``trash_slot``.
+    ``vocab_map`` [V']: the logits are over a drafter vocabulary and entry i is the token of its id
+    i (an EAGLE-3 head's ``draft_ids``): the K best of each row are ranked there and only they are mapped.
     """
-    tree = Expansion(logits.device, cfg, root_slot, first_width)
-    for depth in range(1, cfg.max_depth + 1):
-        stop = tree.grow(logits, log_tau, ops, vocab_map)
-        # One host sync per depth: stopping decides whether another drafter forward is launched.
-        if depth == cfg.max_depth or (log_tau > -math.inf and HOST_READS.read(stop)):
-            break
-        # Run the new frontier (F <= K nodes) through the drafter in ONE forward with a tree mask
-        # over the scratch slots; every committed slot and the root are visible to all of them.
-        tokens, parent_rows, positions, start, block = tree.next_forward()
-        logits = forward(tokens, parent_rows, positions, start, block, root_slot + 1)
-    return tree.pool()
+    K, D = request.top_k, request.max_depth
+    B, device = root_logits.shape[0], root_logits.device
+    P = K + (D - 1) * K * K
+    tokens = torch.zeros(B, P, dtype=torch.long, device=device)
+    parents = torch.full((B, P), -1, dtype=torch.long, device=device)
+    scores = torch.full((B, P), -math.inf, device=device)
+    depth = torch.zeros(B, P, dtype=torch.long, device=device)
+    slots = torch.full((B, P), -1, dtype=torch.long, device=device)
+    log_tau = torch.tensor(request.log_tau, dtype=torch.float32, device=device)
+    prunes = [a and t > -math.inf for a, t in zip(request.active, request.log_tau)]
+    depths = [1 if a else 0 for a in request.active]   # depths each row has grown
+    alive = list(request.active)
+    widths = [catch_up]
+    L = K * max(D - 1, 1)                                 # scratch slots: K per depth after the first
+    anc = torch.zeros(B, L, L, dtype=torch.bool, device=device)   # ancestry of the node in each scratch slot
 
-
-class Expansion:
-    """One request's draft tree under its root, grown a depth at a time (``expand``; a batch of
-    requests grows one each, with one drafter forward per depth for all of them)."""
-
-    def __init__(self, device, cfg: GraftConfig, root_slot: int, first_width: int):
-        K, D = cfg.top_k, cfg.max_depth
-        self.K, self.root_slot, self.widths = K, root_slot, [first_width]
-        pool_max = K + (D - 1) * K * K
-        self.tokens = torch.zeros(pool_max, dtype=torch.long, device=device)
-        self.parents = torch.full((pool_max,), -1, dtype=torch.long, device=device)
-        self.scores = torch.full((pool_max,), -math.inf, device=device)
-        self.depths = torch.zeros(pool_max, dtype=torch.long, device=device)
-        self.slots = torch.full((pool_max,), -1, dtype=torch.long, device=device)
-        # anc[s]: which scratch slots are ancestors-or-self of the node whose KV is in scratch slot s.
-        n_scratch_max = K * (D - 1)
-        self.anc = torch.zeros(n_scratch_max, n_scratch_max, dtype=torch.bool, device=device)
-        self.frontier = None                  # pool ids of the nodes whose logits we hold; None = root
-        self.frontier_scores = torch.zeros(1, device=device)
-        self.child_par = None
-        self.n = self.n_scratch = self.depth = 0
-
-    def grow(self, logits: Tensor, log_tau: float, ops: Ops, vocab_map: Tensor | None) -> Tensor:
-        """Add the next depth's children from the frontier's ``logits`` [F, V]; returns the stop flag
-        (every new child below ``log_tau``), on the device."""
-        self.depth += 1
-        child_tok, child_par, child_score, nxt, stop = ops.draft_expand(self.frontier_scores, logits, self.K, log_tau)
+    def grow(at: int, frontier_scores: Tensor, logits: Tensor, frontier: Tensor | None, d: int, rows: Tensor):
+        child_tok, child_par, child_score, nxt, stop = ops.draft_expand(frontier_scores, logits, K, log_tau)
         if vocab_map is not None:
             child_tok = vocab_map[child_tok]
-        n, m = self.n, child_tok.shape[0]
-        self.tokens[n:n + m], self.scores[n:n + m], self.depths[n:n + m] = child_tok, child_score, self.depth
-        if self.frontier is not None:
-            self.parents[n:n + m] = self.frontier[child_par]
-        self.frontier, self.frontier_scores, self.child_par = n + nxt, child_score[nxt], child_par[nxt]
-        self.n += m
-        return stop
+        m = child_tok.shape[1]
+        keep = rows[:, None]
+        tokens[:, at:at + m] = torch.where(keep, child_tok, tokens[:, at:at + m])
+        scores[:, at:at + m] = torch.where(keep, child_score, scores[:, at:at + m])
+        depth[:, at:at + m] = torch.where(keep, d, depth[:, at:at + m])
+        if frontier is not None:
+            parents[:, at:at + m] = torch.where(keep, frontier[:, child_par], parents[:, at:at + m])
+        return at + nxt, child_score.gather(1, nxt), child_par[nxt], stop
 
-    def next_forward(self) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
-        """The new frontier's forward: (tokens [F], each one's parent's row in the last forward,
-        positions [F], its first scratch slot, its visibility [F, n_scratch + F] over the scratch
-        slots from ``root_slot + 1``); the scratch slots are taken."""
-        F, device = self.frontier.shape[0], self.tokens.device
-        new = torch.arange(self.n_scratch, self.n_scratch + F, device=device)
-        self.slots[self.frontier] = self.root_slot + 1 + new
-        p = self.parents[self.frontier]
-        rows = self.anc[(self.slots[p.clamp(min=0)] - self.root_slot - 1).clamp(min=0)] & (p >= 0)[:, None]
-        rows[torch.arange(F, device=device), new] = True
-        self.anc[new] = rows
-        positions = torch.full((F,), self.root_slot + self.depth, dtype=torch.long, device=device)
-        start = self.root_slot + 1 + self.n_scratch
-        self.n_scratch += F
-        self.widths.append(F)
-        return self.tokens[self.frontier], self.child_par, positions, start, self.anc[new, :self.n_scratch]
+    rows = torch.tensor(alive, device=device)
+    frontier, frontier_scores, child_par, stop = grow(0, torch.zeros(B, 1, device=device), root_logits, None, 1, rows)
+    written, scratch0 = K, root_slot + 1
+    for d in range(2, D + 1):
+        # One host read per depth for the whole batch: which rows expand further (only when one prunes).
+        if any(p and a for p, a in zip(prunes, alive)):
+            stopped = host_read(stop)
+            alive = [a and not (p and s) for a, p, s in zip(alive, prunes, stopped)]
+        if not any(alive):
+            break
+        rows = torch.tensor(alive, device=device)
+        j = (d - 2) * K + torch.arange(K, device=device)                     # this depth's scratch indices
+        slots.scatter_(1, frontier, torch.where(rows[:, None], scratch0[:, None] + j, slots.gather(1, frontier)))
+        p = parents.gather(1, frontier)                                      # the frontier's parents
+        p_scratch = (slots.gather(1, p.clamp(min=0)) - scratch0[:, None]).clamp(0, L - 1)
+        block = anc.gather(1, p_scratch[:, :, None].expand(-1, -1, L)) & (p >= 0)[:, :, None]
+        block[:, torch.arange(K, device=device), j] = True
+        anc[:, j] = block
+        plan = AttentionPlan.explicit(torch.where(rows[:, None], scratch0[:, None] + j, trash_slot), scratch0, block,
+                                      max(request.length) + L)
+        positions = (root_slot + d - 1)[:, None].expand(-1, K)
+        logits = frontier_forward(tokens.gather(1, frontier), child_par, positions, plan)
+        frontier, frontier_scores, child_par, stop = grow(written, frontier_scores, logits, frontier, d, rows)
+        written += K * K
+        widths.append(K)
+        depths = [n + 1 if a else n for n, a in zip(depths, alive)]
+    n = torch.tensor([K + (x - 1) * K * K if x else 0 for x in depths], device=device)
+    return DraftPool(tokens, parents, scores, depth, slots, n, depths, tuple(widths))
 
-    def pool(self) -> DraftPool:
-        return DraftPool(self.tokens, self.parents, self.scores, self.depths, self.n, self.slots, tuple(self.widths))
+
+class _CacheRows:
+    """Per-row cache bookkeeping shared by the drafters: how many committed entries each row's
+    cache holds (``kv_len``), the trash slot, moving a row."""
+
+    def _init_rows(self) -> None:
+        self.kv_len: list[int] = []
+
+    def reserve(self, rows: int, slots: int) -> None:
+        self.net.setup_cache(slots, batch_size=rows)
+        self.kv_len += [0] * (rows - len(self.kv_len))
+
+    @property
+    def trash_slot(self) -> int:
+        return self.net.cache_len - 1
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.net.kv[:, :, dst] = self.net.kv[:, :, src]
+        self.kv_len[dst] = self.kv_len[src]
 
 
-class ModelDrafter:
+class ModelDrafter(_CacheRows):
     """A small drafter model with the target's tokenizer (its own KV cache, kept across steps)."""
     target_layers = None
 
     def __init__(self, model: Model, compile: bool = False):
         self.model, self.net = model, model.net
         self.step = StepForward(model.net, compile, dynamic=True)   # its forwards change width
-        self.kv_len = 0          # committed tokens whose KV is in the drafter's cache
+        self._init_rows()
 
-    def start(self, prompt: Tensor, max_len: int, features: Tensor | None, ops: Ops) -> None:
-        self.net.setup_cache(max_len)
+    def start(self, row: int, prompt: Tensor, features: Tensor | None, ops: Ops) -> None:
         n = prompt.shape[0]
-        self.net(prompt[None], torch.arange(n, device=prompt.device), 0, last_only=True,
-                 attention=ops.tree_attention)     # eager, like the target's prefill
-        self.kv_len = n
+        with self.net.cache_rows(row, row + 1):
+            self.net(prompt[None], torch.arange(n, device=prompt.device), 0, logits_at=-1,
+                     attention=ops.tree_attention)     # eager, like the target's prefill
+        self.kv_len[row] = n
 
-    def draft(self, context: Tensor, length: int, cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
-        # Run the committed tokens not yet in the cache (the root last), then expand from the root.
-        step, device, kv_len = self.step, self.model.device, self.kv_len
-        P = length - kv_len
-        logits = step(context[kv_len:length][None], torch.arange(kv_len, length, device=device),
-                      kv_len, last_only=True, attention=ops.tree_attention)[0]      # [1, V]
-        self.kv_len = length
+    def draft(self, request: DraftRequest, ops: Ops) -> DraftPool:
+        B, device = len(request.length), request.context.device
+        kv_len = self.kv_len[:B]
+        pending = [n - k if a else 0 for n, k, a in zip(request.length, kv_len, request.active)]
+        T = max(pending)
+        start = torch.tensor(kv_len, device=device)
+        i = torch.arange(T, device=device)
+        real = i < torch.tensor(pending, device=device)[:, None]
+        at = start[:, None] + i
+        tokens = request.context.gather(1, at.clamp(max=request.context.shape[1] - 1)).masked_fill(~real, 0)
+        plan = AttentionPlan(torch.where(real, at, self.trash_slot), start, None, max(kv_len) + T)
+        last = (torch.tensor(pending, device=device) - 1).clamp(min=0)
+        with self.net.cache_rows(0, B):
+            root_logits = self.step(tokens, at.clamp(max=self.trash_slot), plan, logits_at=last,
+                                    attention=ops.tree_attention)
+            for b, a in enumerate(request.active):
+                if a:
+                    self.kv_len[b] = request.length[b]
 
-        def forward(tokens, parent_rows, positions, start, attn_mask, mask_prefix):
-            return step(tokens[None], positions, start, attn_mask=attn_mask, mask_prefix=mask_prefix,
-                        attention=ops.tree_attention)[0]
+            def frontier(tokens, parent_rows, positions, plan):
+                return self.step(tokens, positions, plan, attention=ops.tree_attention)
 
-        return expand(logits, P, forward, kv_len + P - 1, cfg, log_tau, ops)
+            return expand(request, root_logits, T, frontier, torch.tensor(request.length, device=device) - 1,
+                          self.trash_slot, ops)
 
-    def commit(self, path: Tensor, path_slots: Tensor, path_slots_host: list[int], features: Tensor | None,
-               ops: Ops) -> None:
-        # Keep the KV of the path's longest drafted-and-run prefix (the rest stays pending and
-        # runs in the next step's first forward).
-        ran = [slot >= 0 for slot in path_slots_host[1:]] + [False]
-        keep = ran.index(False)
-        if keep:
-            ops.commit_kv(self.net.kv, path_slots[1:1 + keep], self.kv_len)
-        self.kv_len += keep
+    def commit(self, path: Tensor, n_path: list[int], path_slots: list[list[int]], node_slots: Tensor,
+               features: Tensor | None, ops: Ops) -> None:
+        # Keep the KV of each row's longest drafted-and-run path prefix (the rest stays pending and
+        # runs in the next step's catch-up).
+        keep = []
+        for slots in path_slots:
+            ran = [s >= 0 for s in slots[1:]] + [False]
+            keep.append(ran.index(False))
+        if not any(keep):
+            return
+        B, width = len(keep), max(keep)
+        device = path.device
+        dst = torch.tensor(self.kv_len[:B], device=device)
+        i = torch.arange(width, device=device)
+        src = node_slots.gather(1, path[:, 1:1 + width].clamp(min=0))
+        src = torch.where(i < torch.tensor(keep, device=device)[:, None], src, dst[:, None] + i)   # padding: no move
+        with self.net.cache_rows(0, B):
+            ops.commit_kv(self.net.kv, src, dst)
+        for b, k in enumerate(keep):
+            self.kv_len[b] += k
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(_CacheRows):
     """An EAGLE-3 head drafting from the target's fused features (see the module docstring).
 
     Head cache slot j holds entry j = (target features of committed x_j, token x_{j+1}), RoPE
@@ -230,48 +277,72 @@ class Eagle3Drafter:
     def __init__(self, head: Eagle3Head):
         self.head = self.net = head
         self.target_layers = tuple(head.target_layers)
-        self.kv_len = 0                  # entries in the head's cache
-        self.features: Tensor | None = None   # [P, F] target features of committed[kv_len:kv_len + P]
+        self.pending: list[Tensor | None] = []   # per row: target features of committed[kv_len:], not yet run
+        self._init_rows()
 
-    def start(self, prompt: Tensor, max_len: int, features: Tensor | None, ops: Ops) -> None:
+    def reserve(self, rows: int, slots: int) -> None:
+        super().reserve(rows, slots)
+        self.pending += [None] * (rows - len(self.pending))
+
+    def move_row(self, src: int, dst: int) -> None:
+        super().move_row(src, dst)
+        self.pending[dst] = self.pending[src]
+
+    def start(self, row: int, prompt: Tensor, features: Tensor | None, ops: Ops) -> None:
         # Entries 0 .. n - 2 pair the prompt's features with its next tokens; the last one waits
-        # for the root (the token after the prompt), the first step's forward.
-        self.head.setup_cache(max_len)
+        # for the root (the token after the prompt), the first step's catch-up.
         n = prompt.shape[0]
         if n > 1:
-            self.head(prompt[None, 1:], torch.arange(n - 1, device=prompt.device), 0, last_only=True,
-                      features=features[None, :n - 1], attention=ops.tree_attention)
-        self.kv_len, self.features = n - 1, features[n - 1:]
+            with self.head.cache_rows(row, row + 1):
+                self.head(prompt[None, 1:], torch.arange(n - 1, device=prompt.device), 0, logits_at=-1,
+                          features=features[None, :n - 1], attention=ops.tree_attention)
+        self.kv_len[row], self.pending[row] = n - 1, features[n - 1:]
 
-    def draft(self, context: Tensor, length: int, cfg: GraftConfig, log_tau: float, ops: Ops) -> DraftPool:
-        head, feats = self.head, self.features
-        P = feats.shape[0]                       # == length - 1 - kv_len: every entry up to the root
-        device = feats.device
-        tokens = context[self.kv_len + 1:self.kv_len + 1 + P][None]
-        # Logits over the head's draft vocabulary (often ~32k of 152k tokens): ranked there, the
-        # K winners mapped to tokens (``expand``'s vocab_map), never scattered into a target-wide row.
-        logits, hidden = head(tokens, torch.arange(self.kv_len, self.kv_len + P, device=device), self.kv_len,
-                              last_only=True, features=feats[None], attention=ops.tree_attention,
-                              draft_vocab=True)                                                  # [1, 1, Vd]
-        root_slot = self.kv_len + P - 1
-        self.kv_len += P
-        self.features = feats[:0]
-        state = {"hidden": hidden[0]}            # rows of the last forward, children's features
+    def draft(self, request: DraftRequest, ops: Ops) -> DraftPool:
+        head, B, device = self.head, len(request.length), request.context.device
+        kv_len = self.kv_len[:B]
+        counts = [self.pending[b].shape[0] if a else 0 for b, a in enumerate(request.active)]
+        T = max(counts)
+        width = head.config.fused_size
+        feats = torch.zeros(B, T, width, dtype=head.fc.weight.dtype, device=device)
+        for b, c in enumerate(counts):
+            if c:
+                feats[b, :c] = self.pending[b]
+        start = torch.tensor(kv_len, device=device)
+        i = torch.arange(T, device=device)
+        real = i < torch.tensor(counts, device=device)[:, None]
+        at = start[:, None] + i
+        tokens = request.context.gather(1, (at + 1).clamp(max=request.context.shape[1] - 1)).masked_fill(~real, 0)
+        plan = AttentionPlan(torch.where(real, at, self.trash_slot), start, None, max(kv_len) + T)
+        last = (torch.tensor(counts, device=device) - 1).clamp(min=0)
+        state = {}
+        with head.cache_rows(0, B):
+            # Logits over the head's draft vocabulary (often ~32k of 152k tokens): ranked there, the
+            # K winners mapped to tokens (``expand``'s vocab_map), never scattered into a target-wide row.
+            logits, state["hidden"] = head(tokens, at.clamp(max=self.trash_slot), plan, logits_at=last, features=feats,
+                                           attention=ops.tree_attention, draft_vocab=True)
+            root_slot = torch.tensor([k + c - 1 for k, c in zip(kv_len, counts)], device=device)
+            for b, c in enumerate(counts):
+                if c:
+                    self.kv_len[b] += c
+                    self.pending[b] = self.pending[b][:0]
 
-        def forward(tokens, parent_rows, positions, start, attn_mask, mask_prefix):
-            lg, h = head(tokens[None], positions, start, attn_mask=attn_mask, mask_prefix=mask_prefix,
-                         features=state["hidden"][parent_rows][None], attention=ops.tree_attention, draft_vocab=True)
-            state["hidden"] = h[0]
-            return lg[0]
+            def frontier(tokens, parent_rows, positions, plan):
+                lg, state["hidden"] = head(tokens, positions, plan, features=state["hidden"].gather(
+                    1, parent_rows[:, :, None].expand(-1, -1, state["hidden"].shape[-1])),
+                    attention=ops.tree_attention, draft_vocab=True)
+                return lg
 
-        return expand(logits[0], P, forward, root_slot, cfg, log_tau, ops,
-                      vocab_map=None if head.identity_vocab else head.draft_ids)
+            return expand(request, logits, T, frontier, root_slot, self.trash_slot, ops,
+                          vocab_map=None if head.identity_vocab else head.draft_ids)
 
-    def commit(self, path: Tensor, path_slots: Tensor, path_slots_host: list[int], features: Tensor | None,
-               ops: Ops) -> None:
-        # The accepted path's TARGET features (root .. last accepted node) pair with the tokens after
-        # them (the accepted nodes, then the bonus); they run in the next step's first forward.
-        self.features = torch.cat([self.features, features[path]])
+    def commit(self, path: Tensor, n_path: list[int], path_slots: list[list[int]], node_slots: Tensor,
+               features: Tensor | None, ops: Ops) -> None:
+        # Each row's accepted path's TARGET features (root .. last accepted node) pair with the tokens
+        # after them (the accepted nodes, then the bonus); they run in the next step's catch-up.
+        for b, m in enumerate(n_path):
+            if self.pending[b] is not None:
+                self.pending[b] = torch.cat([self.pending[b], features[b, path[b, :m]]])
 
 
 def as_drafter(drafter: Model | Eagle3Head | Drafter | None, compile: bool = False) -> Drafter | None:

@@ -1,4 +1,4 @@
-"""Drafting depth and verification budget chosen per step by expected gain.
+"""Drafting depth chosen per step by expected gain (a request decoding alone, with a cost model).
 
 A decode wants the most tokens per millisecond, R = E[tokens per step] / E[ms per step].
 Dinkelbach's rule turns that ratio into per-step decisions: with R the rate reached so far,
@@ -7,25 +7,17 @@ it costs; re-estimating R from the steps taken converges to the best ratio. With
 cost model (``graft_tk.cost.StepCost``) and the acceptance estimates (``graft_tk.acceptance``):
 
 * depth: the next drafter forward (``draft_ms`` of its frontier) runs only if the likeliest node
-  of the frontier could pay for it and for its own place in the verify on its own:
-  P(accepted | its score) >= R * (draft_ms + the mean verify cost of one more node; 0 when every
-  tree is verified at the fixed budget, whose size costs the same whatever fills it). Through
+  of the frontier could pay for it on its own: P(accepted | its score) >= R * draft_ms. Through
   the estimates' score -> acceptance map this is a score threshold, the step's log tau (what
   ``draft_expand``'s stop flag compares with). The configured tau stays a lower bound on it and
-  max_depth an upper bound on the depths.
+  max_depth an upper bound on the depths. (The verify's size is the budget N at every step: it
+  costs the same whatever fills it.)
 * drafting at all: a step runs the drafter (at least one forward, ``draft_ms`` of the tokens it
   has not seen) only while the drafted nodes accepted per drafting step (decayed, with an
   optimistic prior) pay for that forward, >= R * draft_ms[1]; otherwise the step verifies
   retrieval and prompt-lookup candidates alone, and every ``EXPLORE_EVERY``-th step drafts anyway
   to notice when the drafter becomes worth it again (a skipped drafter catches up on the tokens
   it missed in its next forward).
-* budget: the step verifies the n nodes (1 <= n <= N) that maximise
-      (sum of the n - 1 likeliest candidates' P(accepted))  -  R * verify_ms[n]
-  since the expected number of accepted nodes of a tree is the sum of its nodes' P(on the
-  accepted path), over the nodes of the tree built at N (a token two sources propose counts
-  once); the tree is then rebuilt at n. Where a verify is nearly flat in n (a GPU) this is the
-  full budget; where it is steep (this AVX2 CPU, quantized weights) it shrinks, down to n = 1: a
-  plain decoding step.
 
 R is counted in the cost model's milliseconds of the steps taken, not the clock, so the choices
 are reproducible. It starts at plain decoding's rate (one token per one-token verify plus a
@@ -37,11 +29,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor
-
-from .backend import HOST_READS
 from .cost import StepCost
 
 RATE_DECAY = 0.95
@@ -50,15 +37,10 @@ EXPLORE_EVERY = 8   # draft at least once in this many steps
 
 
 class StepPolicy:
-    """Depth threshold and budget per step (see the module docstring); lives as long as its engine."""
+    """Drafting and its depth threshold per step (see the module docstring); lives as long as its engine."""
 
-    def __init__(self, cost: StepCost, budget: int, top_k: int, device: torch.device | str,
-                 fixed_budget: bool = False):
+    def __init__(self, cost: StepCost, top_k: int):
         self.cost, self.top_k = cost, top_k
-        self.verify_ms = torch.tensor(cost.verify_ms[:budget], device=device)
-        # what one more verified node costs, on average over the budget (nothing at a fixed size)
-        spread = cost.verify_ms[budget - 1] - cost.verify_ms[0]
-        self.node_ms = 0.0 if fixed_budget or budget == 1 else spread / (budget - 1)
         self.tokens, self.ms = PRIOR_STEPS, PRIOR_STEPS * (cost.verify_ms[0] + cost.step_ms)
         self.drafted_accepted, self.drafting_steps = PRIOR_STEPS, PRIOR_STEPS
         self.steps_without_drafting = 0
@@ -77,24 +59,15 @@ class StepPolicy:
 
     def depth_log_tau(self, draft_rates: list[float], edges: tuple[float, ...], log_tau_bound: float) -> float:
         """The step's drafting threshold: the lowest score whose estimated acceptance pays for a
-        drafter forward of K nodes and a verified node (``draft_rates`` [B], non-decreasing, per
+        drafter forward of K nodes (``draft_rates`` [B], non-decreasing, per
         bucket of ``edges``; bucket b holds scores in (edges[b - 1], edges[b]]); +inf when no score does."""
         if not self.cost.draft_ms:
             return log_tau_bound
-        p_min = self.rate * (self.cost.draft(self.top_k) + self.node_ms)
+        p_min = self.rate * self.cost.draft(self.top_k)
         for b, r in enumerate(draft_rates):
             if r >= p_min:
                 return max(log_tau_bound, edges[b - 1] if b else -math.inf)
         return math.inf
-
-    def budget(self, probs: Tensor) -> int:
-        """Nodes to verify this step, from the estimated P(accepted) ``probs`` [C] of the nodes it
-        may choose from (0: none; the root is not among them). One host read."""
-        n_max = self.verify_ms.shape[0]
-        p = probs.float().sort(descending=True).values[:n_max - 1]
-        p = F.pad(p, (0, n_max - 1 - p.shape[0]))
-        gain = torch.cat([p.new_zeros(1), p.cumsum(0)])                 # [n_max]: n = 1 .. n_max nodes
-        return HOST_READS.read((gain - self.rate * self.verify_ms).argmax()) + 1
 
     def observe(self, committed: int, verified: int, draft_widths: tuple[int, ...], drafted: bool,
                 drafted_accepted: int) -> None:

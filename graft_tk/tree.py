@@ -1,4 +1,4 @@
-"""The one token-tree type of graft_tk (batch size 1).
+"""Token trees: ``Tree``, one validated tree, and ``BuiltTree``, a batch of them as the step builds them.
 
 A tree of N nodes. Node 0 is the root: the last committed token, not yet in the target's KV
 cache. Links are int32 node indices and parents precede children (``parents[i] < i``), so a
@@ -41,7 +41,6 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from .backend import HOST_READS
 
 # Node sources (int8 codes in ``Tree.source``): who proposed the node.
 ROOT = 0
@@ -142,16 +141,7 @@ class Tree:
 
     def packed_mask(self) -> Tensor:
         """int32 [N, ceil(N / 32)]: ``attn_mask`` rows bit-packed, column j = bit j % 32 of word j // 32."""
-        n = self.n
-        words = (n + 31) // 32
-        mask = torch.zeros(n, words * 32, dtype=torch.int64, device=self.tokens.device)
-        mask[:, :n] = self.attn_mask().long()
-        weights = 2 ** torch.arange(32, dtype=torch.int64, device=mask.device)
-        packed = (mask.view(n, words, 32) * weights).sum(-1)  # in [0, 2**32), exact in int64
-        # Reinterpret as signed 32-bit two's complement explicitly (int64->int32 casts of values
-        # >= 2**31 are not guaranteed to wrap on every backend).
-        packed = torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed)
-        return packed.to(torch.int32)
+        return pack_mask(self.attn_mask())
 
     def positions(self, prefix_len: int | Tensor) -> Tensor:
         """int64 [N]: position ids ``prefix_len + depth`` (siblings share a position)."""
@@ -219,33 +209,53 @@ class Tree:
             seen[key] = i
 
 
-class BuiltTree(NamedTuple):
-    """``build_tree``'s outputs: fixed shapes (N = budget_n), valid prefix ``n_nodes``.
+def pack_mask(mask: Tensor) -> Tensor:
+    """bool [..., N, N] -> int32 [..., N, ceil(N / 32)]: column j = bit j % 32 of word j // 32."""
+    *lead, n, cols = mask.shape
+    words = (cols + 31) // 32
+    wide = torch.zeros(*lead, n, words * 32, dtype=torch.int64, device=mask.device)
+    wide[..., :cols] = mask.long()
+    weights = 2 ** torch.arange(32, dtype=torch.int64, device=mask.device)
+    packed = (wide.view(*lead, n, words, 32) * weights).sum(-1)  # in [0, 2**32), exact in int64
+    # Reinterpret as signed 32-bit two's complement explicitly (int64->int32 casts of values
+    # >= 2**31 are not guaranteed to wrap on every backend).
+    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
 
-    Padding (entries ``n_nodes .. N-1``) is inert: token -1, parent -1, depth 0, source -1,
-    score -inf, pool_index -1, value -inf, and a mask row holding only its own bit, so an attention over all
-    N rows never meets an empty row and no real row ever sees a padding column.
+
+def unpack_mask(bits: Tensor, n: int) -> Tensor:
+    """bool [..., N, n] from packed ancestor bits [..., N, W] (``pack_mask``'s layout)."""
+    j = torch.arange(n, device=bits.device)
+    return ((bits[..., j // 32] >> (j % 32)) & 1).bool()
+
+
+class BuiltTree(NamedTuple):
+    """``build_tree``'s outputs: one tree per batch row, fixed shapes (N = budget_n), each row's
+    valid prefix ``n_nodes[b]``. The step's tree: what the target verifies and ``accept`` walks.
+
+    Padding (entries ``n_nodes[b] .. N-1``) is inert: token -1, parent -1, depth 0, source -1,
+    score -inf, pool_index -1, value -inf, and a mask row holding only its own bit, so an attention
+    over all N rows never meets an empty row and no real row ever sees a padding column.
     """
 
-    tokens: Tensor      # int64 [N]
-    parents: Tensor     # int32 [N]  -1 for the root
-    depth: Tensor       # int32 [N]
-    source: Tensor      # int8 [N]   ROOT / DRAFT / RETRIEVAL / PROMPT_LOOKUP (cand_source)
-    scores: Tensor      # float32 [N] drafter score; 0 root, -inf grafted nodes
-    pool_index: Tensor  # int64 [N]  pool entry of each drafted node, -1 otherwise
-    mask: Tensor        # int32 [N, ceil(N/32)] ancestor bits, layout of Tree.packed_mask
-    n_nodes: Tensor     # int64 []   valid prefix length
-    cand_node: Tensor   # int32 [C]  tree node each candidate landed on (new or shared), -1 if not in the tree
-    values: Tensor      # float32 [N] estimated log P(on the accepted path) the node was chosen by; 0 root, -inf padding
+    tokens: Tensor      # int64 [B, N]
+    parents: Tensor     # int32 [B, N]  -1 for the root
+    depth: Tensor       # int32 [B, N]
+    source: Tensor      # int8 [B, N]   ROOT / DRAFT / RETRIEVAL / PROMPT_LOOKUP (cand_source)
+    scores: Tensor      # float32 [B, N] drafter score; 0 root, -inf grafted nodes
+    pool_index: Tensor  # int64 [B, N]  pool entry of each drafted node, -1 otherwise
+    mask: Tensor        # int32 [B, N, ceil(N/32)] ancestor bits (``pack_mask``'s layout)
+    n_nodes: Tensor     # int64 [B]     valid prefix length
+    cand_node: Tensor   # int32 [B, C]  tree node each candidate landed on (new or shared), -1 if not in the tree
+    values: Tensor      # float32 [B, N] estimated log P(on the accepted path) the node was chosen by; 0 root, -inf padding
 
-    def as_tree(self) -> Tree:
-        """All N entries as a ``Tree``, padding included, with no host read: the fixed-shape verify
-        (``accept`` never accepts padding nor writes it to M; the verify embeds its token as 0)."""
-        return Tree(tokens=self.tokens, parents=self.parents, depth=self.depth, source=self.source,
-                    scores=self.scores)
+    def attn_mask(self) -> Tensor:
+        """bool [B, N, N]: the ancestor-or-self mask (the verify's attention block)."""
+        return unpack_mask(self.mask, self.tokens.shape[1])
 
-    def to_tree(self) -> Tree:
-        """The valid prefix as a ``Tree``: reads ``n_nodes`` (a host read: the verify forward's size)."""
-        n = HOST_READS.read(self.n_nodes)
-        return Tree(tokens=self.tokens[:n], parents=self.parents[:n], depth=self.depth[:n],
-                    source=self.source[:n], scores=self.scores[:n])
+    def row(self, b: int) -> Tree:
+        """Row b's valid nodes as a validated ``Tree`` (reads the device: tests and tools)."""
+        n = int(self.n_nodes[b])
+        tree = Tree(tokens=self.tokens[b, :n], parents=self.parents[b, :n], depth=self.depth[b, :n],
+                    source=self.source[b, :n], scores=self.scores[b, :n])
+        tree.validate()
+        return tree

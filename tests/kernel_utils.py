@@ -39,3 +39,9 @@ def random_tree(n: int, seed: int, vocab: int = 50, max_children: int | None = N
         sources.append(s)
         scores.append(-float(torch.rand((), generator=g)) * 5 if s == DRAFT else float("-inf"))
     return Tree.from_lists(tokens, parents, sources, scores, device=device)
+
+
+def counted():
+    """``with counted() as c:`` counts the launches (and host reads) of the block in ``c``."""
+    from graft_tk.counters import StepCounters, counting
+    return counting(StepCounters())

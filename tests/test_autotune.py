@@ -331,9 +331,9 @@ def test_tree_attention_candidate_tiles_are_exact(kv_len, config):
     """Candidates other than the heuristic's tiles compute the same attention (the benchmark input)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     bucket = f"rows=32,head_dim=16,kv_len={kv_len},dtype=float32"
-    q, k, v, prefix_len, mask, scale = ta_tunable.inputs(bucket, device)
+    q, k, v, prefix, block, keys, scale = ta_tunable.inputs(bucket, device)
     assert config in ta_tunable.configs(bucket)
     out = torch.empty_like(q)
-    _launch(q, k, v, prefix_len, mask, scale, out, config)
+    _launch(q, k, v, prefix, block, keys, scale, out, config)
     atol, rtol = KERNEL_TOL[torch.float32]
-    torch.testing.assert_close(out, tree_attention_torch(q, k, v, prefix_len, mask, scale), atol=atol, rtol=rtol)
+    torch.testing.assert_close(out, tree_attention_torch(q, k, v, prefix, block, keys, scale), atol=atol, rtol=rtol)

@@ -183,7 +183,7 @@ def test_prompt_sources_mix_and_mt_bench_round_robin():
 
 
 def test_a_named_profile_runs_beside_the_methods(smollm2, two_prompts, tmp_path, capsys):
-    from graft_tk.calibration.profiles import profile_key, write_profile
+    from graft_tk.profiles import profile_key, write_profile
     from graft_tk.config import GraftConfig
     drafter = bench.load_drafter("self:10", smollm2, "smollm2-135m")
     path = write_profile(profile_key(smollm2, drafter), "graft", GraftConfig(budget=4, max_depth=1), {}, tmp_path)

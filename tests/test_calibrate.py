@@ -7,7 +7,7 @@ import optuna
 import pytest
 
 import graft_tk
-from graft_tk.calibration.profiles import (ProfileWarning, find_profile, profile_key, read_profile,
+from graft_tk.profiles import (ProfileWarning, find_profile, profile_key, read_profile,
                                            write_profile)
 from graft_tk.calibration.warm_start import isotonic_increasing, suggest_tau
 from graft_tk.cli import calibrate as cli
@@ -179,7 +179,7 @@ def test_pareto_front_keeps_only_undominated_trials():
 def test_calibrate_for_a_batch_size_writes_that_sizes_profile(calib_env, smollm2, drafter10, capsys):
     """--batch 2: tau, N and D searched on the prompts decoded two at a time; a profile of its own
     (file name ...__batch2.json) that batch_policy hands to graft-serve."""
-    from graft_tk.calibration.profiles import batch_policy
+    from graft_tk.profiles import batch_policy
     assert cli.main(_args(calib_env, trials=2) + ["--batch", "2"]) == 0
     profiles = list((calib_env["dir"] / "profiles").glob("*.json"))
     assert [p.name.endswith("__batch2.json") for p in profiles] == [True]

@@ -1,5 +1,6 @@
 """build_tree: Triton kernel (compiled on CUDA, interpreted on CPU) vs torch reference, and the
-reference vs the step-by-step pipeline (select_nodes + draft_as_tree + one graft_merge per source).
+reference vs the step-by-step pipeline (select_nodes + draft_as_tree + a plain-Python graft of
+every candidate in order).
 
 Pools come from the reference draft_expand on random logits over a few depths, exactly as
 drafting.expand fills them; candidates are a prompt-lookup-like chain followed by reference retrieve
@@ -13,13 +14,12 @@ import pytest
 import torch
 
 from graft_tk.adjacency import RetrievalTemplate, default_template, template_from_level_sizes
-from graft_tk.backend import LAUNCHES
 from graft_tk.kernels.build_tree import build_tree as build_tree_kernel
-from graft_tk.reference.build_tree import build_tree, draft_as_tree, graft_merge, select_nodes
+from graft_tk.reference.build_tree import build_tree, draft_as_tree, select_nodes
 from graft_tk.reference.draft_expand import draft_expand
 from graft_tk.reference.retrieve import retrieve
-from graft_tk.tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT, Tree
-from tests.kernel_utils import DEVICE, on_device
+from graft_tk.tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT, BuiltTree, Tree, unpack_mask
+from tests.kernel_utils import DEVICE, counted, on_device
 
 FIELDS = ("tokens", "parents", "depth", "source", "scores", "pool_index", "mask", "n_nodes", "cand_node")
 
@@ -37,7 +37,8 @@ def make_pool(seed: int, vocab: int, top_k: int, max_depth: int, log_tau: float,
     frontier, frontier_scores, n = None, torch.zeros(1), 0
     for depth in range(1, max_depth + 1):
         logits = torch.randn(frontier_scores.shape[0], vocab, generator=g) * 2.5
-        tok, par, sc, nxt, stop = draft_expand(frontier_scores, logits, top_k, log_tau)
+        tok, par, sc, nxt, stop = (x[0] if x.dim() and i != 1 else x for i, x in enumerate(
+            draft_expand(frontier_scores[None], logits[None], top_k, torch.tensor([log_tau]))))
         m = tok.shape[0]
         tokens[n:n + m], scores[n:n + m], depths[n:n + m] = tok, sc, depth
         parents[n:n + m] = -1 if frontier is None else frontier[par]
@@ -56,7 +57,7 @@ def make_candidates(seed: int, vocab: int, root: int, chain: list[int], template
     g = torch.Generator().manual_seed(seed)
     adj = torch.randint(vocab, (vocab, k), generator=g, dtype=torch.int32)
     adj[torch.rand(vocab, k, generator=g) < missing] = -1
-    retrieved = retrieve(adj, torch.tensor(root), template)
+    retrieved = retrieve(adj, torch.tensor([root]), template)[0]
     L = len(chain)
     tokens = torch.cat([torch.tensor(chain, dtype=torch.int64), retrieved])
     tpar = template.parents.long()
@@ -65,52 +66,82 @@ def make_candidates(seed: int, vocab: int, root: int, chain: list[int], template
     return tokens, parents, source
 
 
-def old_pipeline(pool, root, log_tau, chain, template, cand_tokens, N) -> Tree:
-    """Step by step: select + draft_as_tree, then graft_merge of the chain, then of the template."""
+def graft_in_order(tree: Tree, cand_tokens, cand_parents, cand_source, N) -> Tree:
+    """The budget filled in candidate order, plain Python: a candidate is dropped when its token is
+    -1 or its parent was; one whose (parent, token) exists maps onto that node; else it is a new
+    node while the tree has fewer than N."""
+    tokens, parents, source = tree.tokens.tolist(), tree.parents.tolist(), tree.source.tolist()
+    scores = tree.scores.tolist()
+    mapped = []
+    for tok, tpar, src in zip(cand_tokens.tolist(), cand_parents.tolist(), cand_source.tolist()):
+        parent = 0 if tpar < 0 else mapped[tpar]
+        existing = [i for i in range(1, len(tokens)) if parents[i] == parent and tokens[i] == tok]
+        if tok < 0 or parent < 0:
+            mapped.append(-1)
+        elif existing:
+            mapped.append(existing[0])
+        elif len(tokens) < N:
+            mapped.append(len(tokens))
+            tokens.append(tok), parents.append(parent), source.append(src), scores.append(-math.inf)
+        else:
+            mapped.append(-1)
+    return Tree.from_lists(tokens, parents, source, scores, device=tree.tokens.device)
+
+
+def old_pipeline(pool, root, log_tau, cand_tokens, cand_parents, cand_source, N) -> Tree:
+    """Step by step: select + draft_as_tree, then every candidate grafted in order."""
     tokens, parents, scores, depths, n = pool
     keep = select_nodes(parents[:n], scores[:n], N - 1, log_tau)
     tree = draft_as_tree(tokens, parents, scores, depths, keep, root)
-    L = len(chain)
-    if L:
-        chain_t = RetrievalTemplate(torch.arange(-1, L - 1), torch.zeros(L, dtype=torch.int32), 1)
-        chain_t = chain_t.to(cand_tokens.device)
-        tree = graft_merge(tree, cand_tokens[:L], chain_t, N, PROMPT_LOOKUP)
-    return graft_merge(tree, cand_tokens[L:], template, N)
+    return graft_in_order(tree, cand_tokens, cand_parents, cand_source, N)
+
+
+def batched(args):
+    """build_tree's single-tree arguments (pool [P], n_pool, root, log_tau as numbers, candidates
+    [C], N, values) as a batch of two rows: the tree asked for, and a second with another root
+    and its candidates rolled by one."""
+    (tokens, parents, scores, depths, n, root, log_tau, cand, cpar, csrc, N, *values) = args
+    n = torch.as_tensor(n, device=DEVICE).reshape(())
+    root = torch.as_tensor(root, device=DEVICE).reshape(())
+    two = lambda t, other: torch.stack([t, other])   # noqa: E731
+    out = [two(tokens, tokens), two(parents, parents), two(scores, scores), two(depths, depths), two(n, n),
+           two(root, root + 1), torch.tensor([log_tau, log_tau], dtype=torch.float32, device=DEVICE),
+           two(cand, cand.roll(1) if cand.numel() else cand), cpar, csrc, N]
+    for v in values:
+        out.append(None if v is None else two(v, v.flip(0) if v.dim() and v.shape[0] == cand.shape[0] else v))
+    return out
 
 
 def run_both(*args):
-    """Kernel and reference on the same arguments; every output equal, one launch, a valid Tree."""
-    before = LAUNCHES.count
-    got = build_tree_kernel(*args)
-    assert LAUNCHES.count - before == 1
+    """Kernel and reference on the same arguments, batched with a second row (``batched``): every
+    output equal, one launch for both rows, each row a valid tree. Returns the first row's tree."""
+    args = batched(args)
+    with counted() as c:
+        got = build_tree_kernel(*args)
+    assert sum(c.launches.values()) == 1
     want = build_tree(*args)
     for name in FIELDS:
         g, w = getattr(got, name), getattr(want, name)
         assert g.dtype == w.dtype and g.shape == w.shape, (name, g.dtype, w.dtype, g.shape, w.shape)
         assert torch.equal(g, w), f"{name}: kernel {g.tolist()} != reference {w.tolist()}"
-    check_tree(got)
-    return got
+    for b in range(2):
+        check_tree(BuiltTree(*(field[b] for field in got)))
+    return BuiltTree(*(field[0] for field in got))
 
 
 def check_tree(out):
     """The valid prefix is a valid Tree whose masks are the op's mask; padding is inert."""
-    tree = out.to_tree()
+    n, N = int(out.n_nodes), out.tokens.shape[0]
+    tree = Tree(out.tokens[:n], out.parents[:n], out.depth[:n], out.source[:n], out.scores[:n])
     tree.validate()
-    n, N = tree.n, out.tokens.shape[0]
     assert torch.equal(out.mask[:n, :(n + 31) // 32], tree.packed_mask())
-    assert torch.equal(unpack(out.mask)[:n, :n], tree.attn_mask())
-    assert not unpack(out.mask)[:n, n:].any()                       # no real row sees padding
-    assert torch.equal(unpack(out.mask)[n:], torch.eye(N, dtype=torch.bool, device=out.mask.device)[n:])  # padding
+    assert torch.equal(unpack_mask(out.mask, N)[:n, :n], tree.attn_mask())
+    assert not unpack_mask(out.mask, N)[:n, n:].any()                       # no real row sees padding
+    assert torch.equal(unpack_mask(out.mask, N)[n:], torch.eye(N, dtype=torch.bool, device=out.mask.device)[n:])
     assert (out.tokens[n:] == -1).all() and (out.source[n:] == -1).all() and (out.pool_index[n:] == -1).all()
     drafted = tree.source == DRAFT
     assert ((out.pool_index[:n] >= 0) == drafted).all()
-
-
-def unpack(mask):
-    """int32 [N, W] -> bool [N, N]."""
-    N = mask.shape[0]
-    bits = (mask.long()[:, :, None] >> torch.arange(32, device=mask.device)) & 1
-    return bits.reshape(N, -1)[:, :N].bool()
+    return tree
 
 
 def realistic_args(seed, N, log_tau, vocab=16, top_k=4, max_depth=4, chain_len=5, sizes=(8, 21, 25, 15, 8, 3)):
@@ -123,7 +154,7 @@ def realistic_args(seed, N, log_tau, vocab=16, top_k=4, max_depth=4, chain_len=5
     template = template_from_level_sizes(sizes, 8)
     cands = make_candidates(seed, vocab, root, chain, template)
     args = on_device(tokens, parents, scores, depths, n, torch.tensor(root), log_tau, *cands, N)
-    return args, (on_device(*pool), root, log_tau, chain, template.to(DEVICE), args[7], N)
+    return args, (on_device(*pool), root, log_tau, *args[7:10], N)
 
 
 # ------------------------------------------------------------------ kernel vs reference, realistic
@@ -143,7 +174,7 @@ def test_realistic_matches_reference(seed, N, log_tau):
 def test_reference_equals_old_pipeline(seed, N):
     # The fused op's semantics are today's pipeline, exactly.
     args, old = realistic_args(seed, N, math.log(0.05))
-    tree = build_tree(*args).to_tree()
+    tree = check_tree(BuiltTree(*(field[0] for field in build_tree(*batched(args)))))
     ref = old_pipeline(*old)
     for name in ("tokens", "parents", "depth", "source", "scores"):
         assert torch.equal(getattr(tree, name), getattr(ref, name)), name
@@ -272,14 +303,16 @@ def test_default_template_two_mask_words_full():
 
 
 def test_bad_arguments():
-    args, _ = realistic_args(0, 16, 0.0)
+    args = batched(realistic_args(0, 16, 0.0)[0])
     for fn in (build_tree, build_tree_kernel):
         with pytest.raises(ValueError, match="budget_n"):
             fn(*args[:10], 0)
-        with pytest.raises(ValueError, match="n_pool"):
-            fn(*args[:4], args[0].shape[0] + 1, *args[5:])
         with pytest.raises(ValueError, match="pool tensors"):
-            fn(args[0], args[1][:-1], *args[2:])
+            fn(args[0], args[1][:, :-1], *args[2:])
+        with pytest.raises(ValueError, match="cand_tokens must be"):
+            fn(*args[:7], args[7][:1], *args[8:])
+    with pytest.raises(ValueError, match="n_pool"):
+        build_tree(*args[:4], args[4] + args[0].shape[1], *args[5:])
 
 
 # ------------------------------------------------------------------ the allocator: budget by estimated acceptance

@@ -5,8 +5,7 @@ kernels; CPU: Triton's interpreter); slot tensors go to DEVICE too."""
 import pytest
 import torch
 
-from tests.kernel_utils import DEVICE, on_device  # (imports graft_tk.kernels first: interpreter on CPU)
-from graft_tk.backend import LAUNCHES
+from tests.kernel_utils import DEVICE, counted, on_device  # (imports graft_tk.kernels first: interpreter on CPU)
 from graft_tk.kernels.commit_kv import commit_kv as commit_kernel
 from graft_tk.reference.commit_kv import commit_kv as commit_reference
 
@@ -18,12 +17,16 @@ def random_kv(shape, dtype, seed):
     return torch.randn(shape, generator=g).to(dtype).to(DEVICE)
 
 
-def check(kv, src, dst_start, launches=1):
+def check(kv, src, dst, launches=1):
+    """Kernel vs reference: ``src`` [B, n] or [n] (every row alike), ``dst`` [B] or an int."""
+    B = kv.shape[2]
+    src = src.expand(B, -1) if src.dim() == 1 else src
+    dst = torch.full((B,), dst, device=DEVICE) if isinstance(dst, int) else dst
     expected = kv.clone()
-    commit_reference(expected, src, dst_start)
-    before = LAUNCHES.count
-    commit_kernel(kv, src, dst_start)
-    assert LAUNCHES.count - before == launches
+    commit_reference(expected, src, dst)
+    with counted() as c:
+        commit_kernel(kv, src, dst)
+    assert sum(c.launches.values()) == launches
     # compare bits: copies must be exact for every dtype (NaN-safe, -0.0-safe)
     assert torch.equal(kv.view(torch.int16 if kv.element_size() == 2 else torch.int32),
                        expected.view(torch.int16 if kv.element_size() == 2 else torch.int32))
@@ -80,32 +83,19 @@ def test_non_contiguous_cache_and_int32_slots():
     check(kv, torch.tensor([3, 5, 6], dtype=torch.int32, device=DEVICE), 3)
 
 
+def test_rows_move_their_own_paths():
+    # a batch of three rows, each with its own prefix length and accepted path (a batched step)
+    kv = random_kv((2, 2, 3, 2, 24, 16), torch.bfloat16, seed=5)
+    src = torch.tensor([[7, 9, 10, 11], [3, 4, 8, 5], [12, 13, 14, 15]], device=DEVICE)
+    check(kv, src, torch.tensor([7, 3, 12], device=DEVICE))
+
+
 def test_bad_input_is_a_clear_error():
     kv = random_kv((1, 2, 1, 1, 8, 4), torch.float32, seed=0)
-    with pytest.raises(ValueError, match="outside the cache"):
-        commit_kernel(kv, torch.tensor([0, 1, 2], device=DEVICE), 6)
+    one = torch.tensor([0], device=DEVICE)
     with pytest.raises(ValueError, match=r"\[L, 2, B, H, S, D\]"):
-        commit_kernel(kv[0], torch.tensor([0], device=DEVICE), 0)
-    with pytest.raises(ValueError, match="integer"):
-        commit_kernel(kv, torch.tensor([0.0], device=DEVICE), 0)
-
-
-@pytest.mark.parametrize("case", ["overlap", "overlap-long", "backward"])
-def test_destination_on_the_device_moves_as_an_int_does(case):
-    # A step captured in a CUDA graph passes its first destination slot as a 0-d device tensor:
-    # kernel and reference must move exactly what the int form moves.
-    src, dst = CASES[case]
-    kv = random_kv((3, 2, 1, 2, 16, 32), torch.bfloat16, seed=len(src))
-    expected = kv.clone()
-    commit_reference(expected, torch.tensor(src, device=DEVICE), dst)
-    by_reference = kv.clone()
-    commit_reference(by_reference, torch.tensor(src, device=DEVICE), torch.tensor(dst, device=DEVICE))
-    check(kv, torch.tensor(src, device=DEVICE), torch.tensor(dst, device=DEVICE))
-    assert torch.equal(kv.view(torch.int16), expected.view(torch.int16))
-    assert torch.equal(by_reference.view(torch.int16), expected.view(torch.int16))
-
-
-def test_a_destination_tensor_of_the_wrong_kind_is_refused():
-    kv = random_kv((1, 2, 1, 1, 8, 4), torch.float32, seed=0)
-    with pytest.raises(ValueError, match="0-d integer tensor"):
-        commit_kernel(kv, torch.tensor([1, 2], device=DEVICE), torch.tensor([3], device=DEVICE))
+        commit_kernel(kv[0], torch.tensor([[0]], device=DEVICE), one)
+    with pytest.raises(ValueError, match="integer tensor \\[B=1, n\\]"):
+        commit_kernel(kv, torch.tensor([[0.0]], device=DEVICE), one)
+    with pytest.raises(ValueError, match="dst must be an integer tensor \\[B=1\\]"):
+        commit_kernel(kv, torch.tensor([[1, 2]], device=DEVICE), torch.tensor(3, device=DEVICE))

@@ -13,30 +13,35 @@ import math
 import pytest
 import torch
 
-from graft_tk.backend import LAUNCHES
 from graft_tk.kernels._common import multiprocessors
 from graft_tk.kernels.draft_expand import _config, _expand, vocab_chunks
 from graft_tk.kernels.draft_expand import draft_expand as draft_expand_kernel
 from graft_tk.reference.draft_expand import desc_key, draft_expand, key_index, top_k_lowest_index
-from tests.kernel_utils import DEVICE, on_device
+from tests.kernel_utils import DEVICE, counted, on_device
 from tests.tolerances import KERNEL_TOL
 
 
 def run_both(frontier_scores, logits, top_k, log_tau, chunks=None):
     """The kernel (``chunks``: its vocabulary split over that many stage-1 programs; None = what
-    the launcher picks: one fused launch off a GPU) against the reference."""
+    the launcher picks: one fused launch off a GPU) against the reference, on a batch of two rows:
+    the given frontier [F] / logits [F, V] / log_tau, and a second row of other logits (the first
+    row's, reversed along the vocabulary) under a threshold that never stops. Returns row 0's
+    outputs, unbatched (child_parents is every row's)."""
     F, V = logits.shape
+    batch_logits = torch.stack([logits, logits.flip(-1)])
+    batch_scores = torch.stack([frontier_scores, frontier_scores - 0.5])
+    batch_tau = torch.tensor([log_tau, -math.inf], device=logits.device)
     config = _config(F, V, top_k)
     asked = chunks or vocab_chunks(V, config["BLOCK_V"], multiprocessors(logits.device))
     width = -(-(-(-V // asked)) // config["BLOCK_V"]) * config["BLOCK_V"]     # whole tiles per chunk
     launches = 1 + (-(-V // width) > 1)                                        # stage 1 only with > 1 chunk
-    before = LAUNCHES.count
-    if chunks is None:
-        got = draft_expand_kernel(frontier_scores, logits, top_k, log_tau)
-    else:
-        got = _expand(frontier_scores, logits, top_k, log_tau, config, chunks)
-    assert LAUNCHES.count - before == launches
-    want = draft_expand(frontier_scores, logits, top_k, log_tau)
+    with counted() as c:
+        if chunks is None:
+            got = draft_expand_kernel(batch_scores, batch_logits, top_k, batch_tau)
+        else:
+            got = _expand(batch_scores, batch_logits, top_k, batch_tau, config, chunks)
+    assert sum(c.launches.values()) == launches                               # both rows in the same launches
+    want = draft_expand(batch_scores, batch_logits, top_k, batch_tau)
     names = ("child_tokens", "child_parents", "child_scores", "next_frontier", "stop")
     for name, g, w in zip(names, got, want):
         assert g.dtype == w.dtype and g.shape == w.shape, (name, g.dtype, w.dtype, g.shape, w.shape)
@@ -45,7 +50,7 @@ def run_both(frontier_scores, logits, top_k, log_tau, chunks=None):
             torch.testing.assert_close(g, w, atol=atol, rtol=rtol, msg=name)
         else:
             assert torch.equal(g, w), f"{name}: kernel {g.tolist()} != reference {w.tolist()}"
-    return got
+    return tuple(g if name == "child_parents" else g[0] for name, g in zip(names, got))
 
 
 def inputs(F, V, seed, scale=3.0, dtype=torch.float32):
@@ -83,11 +88,12 @@ def test_split_chunk_narrower_than_k():
     # not enter the merge); ties across chunks break to the lower token id.
     fs, logits = inputs(2, 35, seed=11)
     logits[0, 3] = logits[0, 20] = logits[0, 34] = 9.0
-    want = draft_expand(fs, logits, 8, -3.0)
-    got = _expand(fs, logits, 8, -3.0, {**_config(2, 35, 8), "BLOCK_V": 16}, 3)
+    tau = torch.tensor([-3.0], device=DEVICE)
+    want = draft_expand(fs[None], logits[None], 8, tau)
+    got = _expand(fs[None], logits[None], 8, tau, {**_config(2, 35, 8), "BLOCK_V": 16}, 3)
     for g, w in zip(got, want):
         assert torch.equal(g, w) if g.dtype != torch.float32 else torch.allclose(g, w, atol=1e-5)
-    assert got[0][:3].tolist() == [3, 20, 34]
+    assert got[0][0, :3].tolist() == [3, 20, 34]
 
 
 def test_vocab_chunks_heuristic():
@@ -144,11 +150,14 @@ def test_stop_flag(log_tau, stop):
 
 def test_bad_arguments():
     fs, logits = inputs(2, 10, seed=0)
+    fs, logits, tau = fs[None], logits[None], torch.zeros(1, device=DEVICE)
     for fn in (draft_expand, draft_expand_kernel):
         with pytest.raises(ValueError, match="top_k"):
-            fn(fs, logits, 11, 0.0)
+            fn(fs, logits, 11, tau)
     with pytest.raises(ValueError, match="frontier_scores"):
-        draft_expand_kernel(fs[:1], logits, 2, 0.0)
+        draft_expand_kernel(fs[:, :1], logits, 2, tau)
+    with pytest.raises(ValueError, match="log_tau"):
+        draft_expand_kernel(fs, logits, 2, torch.zeros(2, device=DEVICE))
 
 
 # ------------------------------------------------------------------ the reference's tie order

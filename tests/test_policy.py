@@ -11,7 +11,7 @@ import graft_tk
 from graft_tk.acceptance import (LEARNT_PRIOR_WEIGHT, PRIOR_WEIGHT, SCORE_EDGES, AcceptanceEstimates,
                                  AcceptancePriors)
 from graft_tk.adjacency import template_from_level_sizes
-from graft_tk.calibration.profiles import read_profile, write_profile, profile_key
+from graft_tk.profiles import read_profile, write_profile, profile_key
 from graft_tk.config import PRUNES, GraftConfig
 from graft_tk.cost import StepCost, interpolate, measure_step_cost
 from graft_tk.decode import encode_prompt

@@ -1,7 +1,7 @@
 """Prompt lookup: the longest suffix n-gram's latest earlier match decides the proposal.
 
-The op reads a fixed-size context buffer on the device (``context[:length]`` committed), returns
-the chain padded with -1 and the matched n-gram length; the Triton kernel (interpreter) and the
+The op reads a fixed-size context buffer on the device, a row per request (``context[b, :length[b]]``
+committed), returns each row's chain padded with -1 and its matched n-gram length; the Triton kernel (interpreter) and the
 torch reference are checked against a plain-Python statement of the rule.
 """
 import random
@@ -29,12 +29,18 @@ def spec(tokens: list[int], max_ngram: int, min_ngram: int, max_tokens: int) -> 
 
 
 def run(op, tokens, max_ngram=3, min_ngram=1, max_tokens=10, spare=5):
-    """The op over a buffer with ``spare`` junk slots past the committed tokens: (chain list, ngram)."""
-    buf = torch.tensor(tokens + [7] * spare, dtype=torch.long, device=DEVICE)
-    chain, ngram = op(buf, torch.tensor(len(tokens), device=DEVICE), max_ngram, min_ngram, max_tokens)
-    assert chain.shape == (max_tokens,) and ngram.shape == ()
-    out = chain.tolist()
-    return [t for t in out if t >= 0], int(ngram), out
+    """The op over a buffer with ``spare`` junk slots past the committed tokens, as row 1 of a batch
+    of three (rows 0 and 2 hold other contexts): (chain list, ngram, the padded chain)."""
+    width = len(tokens) + spare
+    other = [[3, 1, 3, 1, 3] + [2] * (width - 5), [9] * width] if width >= 5 else [[2] * width, [9] * width]
+    buf = torch.tensor([other[0], tokens + [7] * spare, other[1]], dtype=torch.long, device=DEVICE)
+    length = torch.tensor([min(5, width), len(tokens), width // 2], device=DEVICE)
+    chain, ngram = op(buf, length, max_ngram, min_ngram, max_tokens)
+    assert chain.shape == (3, max_tokens) and ngram.shape == (3,)
+    alone = op(buf[1:2], length[1:2], max_ngram, min_ngram, max_tokens)    # a row alone gives its row
+    assert torch.equal(alone[0][0], chain[1]) and torch.equal(alone[1][0], ngram[1])
+    out = chain[1].tolist()
+    return [t for t in out if t >= 0], int(ngram[1]), out
 
 
 @pytest.mark.parametrize("backend", OPS)
@@ -74,7 +80,10 @@ def test_long_context_crosses_kernel_blocks():
 
 @pytest.mark.parametrize("backend", OPS)
 def test_bad_arguments_are_named(backend):
+    four = torch.tensor([4], device=DEVICE)
     with pytest.raises(ValueError, match="int64"):
-        OPS[backend](torch.zeros(4, dtype=torch.int32, device=DEVICE), 4)
+        OPS[backend](torch.zeros(1, 4, dtype=torch.int32, device=DEVICE), four)
+    with pytest.raises(ValueError, match="length must be a tensor"):
+        OPS[backend](torch.zeros(1, 4, dtype=torch.long, device=DEVICE), 4)
     with pytest.raises(ValueError, match="min_ngram"):
-        OPS[backend](torch.zeros(4, dtype=torch.long, device=DEVICE), 4, max_ngram=1, min_ngram=2)
+        OPS[backend](torch.zeros(1, 4, dtype=torch.long, device=DEVICE), four, max_ngram=1, min_ngram=2)

@@ -253,7 +253,7 @@ def test_corrupt_quant_file_is_detected(tmp_path, smollm2_int4):
 
 
 def test_profiles_are_keyed_by_the_quantization(smollm2, smollm2_int4):
-    from calibration.profiles import profile_key
+    from graft_tk.profiles import profile_key
     assert profile_key(smollm2_int4, None).dtype == "bfloat16-int4"
     assert profile_key(smollm2_int4, None).file_name() != profile_key(smollm2, None).file_name()
 

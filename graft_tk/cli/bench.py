@@ -136,7 +136,7 @@ def _run(args) -> dict:
     drafter = (bench.load_drafter(spec, target, args.model, args.dtype, args.device, bench.drafter_quant(args))
                if needs_drafter else None)
     if args.profile:
-        from ..calibration.profiles import find_profile
+        from ..profiles import find_profile
         profile = find_profile(target, drafter)
         if profile is None:
             raise InputError(f"--profile: no usable profile for {target.name} + "
@@ -178,7 +178,7 @@ def _run(args) -> dict:
 
 def _named_configs(specs: list[str]) -> dict[str, GraftConfig]:
     """--config NAME=PROFILE.json, repeatable: the profiles' configs by name (read and checked)."""
-    from ..calibration.profiles import read_profile
+    from ..profiles import read_profile
     out = {}
     for spec in specs:
         name, sep, path = spec.partition("=")

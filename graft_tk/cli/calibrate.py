@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args) -> int:
     from ..calibration import report, search
-    from ..calibration.profiles import profile_key, write_profile
+    from ..profiles import profile_key, write_profile
     from ..cost import measure_step_cost
 
     methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
@@ -127,7 +127,7 @@ def run(args) -> int:
     tune, held_out = split_prompts(load_prompts(args.prompts), args.n_prompts, args.validate)
     base = None
     if args.batch > 1:   # tau, N and D for this batch size; the rest is the pair's (its profile, else the default)
-        from ..calibration.profiles import find_profile
+        from ..profiles import find_profile
         single = find_profile(target, drafter)
         base, held_out = (single.config if single else GraftConfig()), []
         print(f"batch {args.batch}: searching tau, N and D; the rest from "
@@ -202,7 +202,7 @@ def run(args) -> int:
 def run_cost_only(args, target, drafter) -> int:
     """Measure the cost model into this pair's profile (its config kept, else the default), then
     learn the acceptance priors with it on --n-prompts tuning prompts."""
-    from ..calibration.profiles import find_profile, profile_key, write_profile
+    from ..profiles import find_profile, profile_key, write_profile
     from ..calibration.search import learn_priors
     from ..cost import measure_step_cost
 
@@ -276,7 +276,7 @@ def show(args) -> int:
     import optuna
 
     from ..calibration import search
-    from ..calibration.profiles import list_profiles, profile_dir
+    from ..profiles import list_profiles, profile_dir
 
     directory = Path(args.profile_dir) if args.profile_dir else profile_dir()
     entries = list_profiles(directory)

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     policy = {}
     if args.max_batch > 1 and method != "ar":
-        from ..calibration.profiles import batch_policy
+        from ..profiles import batch_policy
         policy = batch_policy(target, drafter, args.max_batch)
         if not policy:   # on a CPU the single-request config can be slower than ar in a batch
             logging.getLogger("graft_tk.server").warning(

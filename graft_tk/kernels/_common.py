@@ -1,9 +1,9 @@
-"""Shared kernel plumbing: every launch is counted (``DecodeResult.stats`` reports launches per step)."""
+"""Shared kernel plumbing: every launch is counted by the step that runs it (``graft_tk.counters``)."""
 from __future__ import annotations
 
 import os
 
-from ..backend import LAUNCHES
+from ..counters import count_launch
 
 
 def interpreted() -> bool:
@@ -12,8 +12,8 @@ def interpreted() -> bool:
 
 
 def launch(kernel, grid, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)``, counted in ``graft_tk.backend.LAUNCHES``."""
-    LAUNCHES.add(getattr(kernel, "__name__", None) or kernel.fn.__name__)
+    """``kernel[grid](*args, **kwargs)``, counted in the active ``StepCounters``."""
+    count_launch(getattr(kernel, "__name__", None) or kernel.fn.__name__)
     return kernel[grid](*args, **kwargs)
 
 

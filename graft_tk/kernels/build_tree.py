@@ -1,9 +1,11 @@
-"""build_tree in one Triton launch: prune + rerank the drafter's pool, graft every candidate, give
-the N - 1 places to the nodes likeliest to be accepted, write fixed-shape tree tensors and the
-bit-packed ancestor mask. Same signature and outputs as ``graft_tk.reference.build_tree.build_tree``.
+"""build_tree in one Triton launch for every row: prune + rerank the drafter's pool, graft every
+candidate, give the N - 1 places to the nodes likeliest to be accepted, write fixed-shape tree
+tensors and the bit-packed ancestor mask. Same signature and outputs as
+``graft_tk.reference.build_tree.build_tree``.
 
-One program (grid (1,)): the work is a few hundred dependent steps over <= ~256 nodes, far too
-little to spread over programs, and a single program can synchronise with ``tl.debug_barrier``.
+One program per batch row (grid (B,)): a row's work is a few hundred dependent steps over <= ~256
+nodes, far too little to spread over programs, and a single program can synchronise with
+``tl.debug_barrier``; rows are independent (each its own scratch).
 Phases:
   1. select  rank every valid pool entry by the key (score desc, index asc) against all others,
              blocked [P_PAD, BLOCK_J] compares; keep rank < N-1 and score >= log_tau.
@@ -47,33 +49,49 @@ _ROOT = tl.constexpr(ROOT)
 _RANK_TILE = 2048   # pool-rank compares per step: P_PAD * BLOCK_J
 
 
-# n_pool_arg is a plain int32 even when it equals 1 (Triton turns int args equal to 1 into
-# constexprs, which tl.maximum/tl.minimum below would then see as Python ints).
-@triton.jit(do_not_specialize=["n_pool_arg"])
+@triton.jit
 def _build_tree_kernel(
-    # pointers: inputs
+    # pointers: inputs (per row, but cand_parents and cand_source: every row alike)
     pool_tokens_ptr, pool_parents_ptr, pool_scores_ptr, pool_values_ptr, pool_depth_ptr, n_pool_ptr, root_ptr,
-    cand_tokens_ptr, cand_parents_ptr, cand_source_ptr, cand_values_ptr,
-    # pointers: outputs, then scratch: int32 [2, S_PAD], float32 [S_PAD], union int64 [2, U_PAD], float32 [U_PAD]
+    log_tau_ptr, cand_tokens_ptr, cand_parents_ptr, cand_source_ptr, cand_values_ptr,
+    # pointers: outputs, then per-row scratch: int32 [2, S_PAD], float32 [S_PAD], union int64 [2, U_PAD], float32 [U_PAD]
     tokens_ptr, parents_ptr, depth_ptr, source_ptr, scores_ptr, pool_index_ptr, mask_ptr, n_nodes_ptr,
     cand_node_ptr, values_ptr, scratch_ptr, scratch_f_ptr, union_ptr, union_f_ptr,
-    # sizes and scalars
-    P, C, N, W, n_pool_arg, log_tau,
+    # sizes
+    P, C, N, W,
     # meta-parameters
     P_PAD: tl.constexpr, C_PAD: tl.constexpr, N_PAD: tl.constexpr, U_PAD: tl.constexpr, W_PAD: tl.constexpr,
     S_PAD: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_UJ: tl.constexpr, LOG_P: tl.constexpr, LOG_N: tl.constexpr,
-    N_POOL_FROM_PTR: tl.constexpr, HAS_VALUES: tl.constexpr,
+    HAS_VALUES: tl.constexpr,
 ):
+    b = tl.program_id(0).to(tl.int64)   # batch row: every per-row pointer moves to its row
+    pool_tokens_ptr += b * P
+    pool_parents_ptr += b * P
+    pool_scores_ptr += b * P
+    pool_values_ptr += b * P
+    pool_depth_ptr += b * P
+    cand_tokens_ptr += b * C
+    cand_values_ptr += b * C
+    tokens_ptr += b * N
+    parents_ptr += b * N
+    depth_ptr += b * N
+    source_ptr += b * N
+    scores_ptr += b * N
+    pool_index_ptr += b * N
+    mask_ptr += b * N * W
+    cand_node_ptr += b * C
+    values_ptr += b * N
+    scratch_ptr += b * 2 * S_PAD
+    scratch_f_ptr += b * S_PAD
+    union_ptr += b * 2 * U_PAD
+    union_f_ptr += b * U_PAD
+    log_tau = tl.load(log_tau_ptr + b)
     scr_a = scratch_ptr
     scr_b = scratch_ptr + S_PAD
     u_tok = union_ptr                   # int64: token of each union node
     u_pidx = union_ptr + U_PAD          # int64: pool entry of each drafted union node
     # ---------------------------------------------------------------- 1. select (prune + rerank)
-    if N_POOL_FROM_PTR:
-        n_pool = tl.load(n_pool_ptr).to(tl.int32)
-    else:
-        n_pool = n_pool_arg
-    n_pool = tl.minimum(tl.maximum(n_pool, 0), P)
+    n_pool = tl.minimum(tl.maximum(tl.load(n_pool_ptr + b).to(tl.int32), 0), P)
     pi = tl.arange(0, P_PAD)
     in_pool = pi < n_pool
     score = tl.load(pool_scores_ptr + pi, mask=in_pool, other=float("-inf")).to(tl.float32)
@@ -128,7 +146,7 @@ def _build_tree_kernel(
     tl.debug_barrier()          # RAW: the per-node reads below gather what the pool threads scattered
     ui = tl.arange(0, U_PAD)
     is_draft = (ui >= 1) & (ui <= n_draft)
-    tok_vec = tl.where(ui == 0, tl.load(root_ptr), tl.load(u_tok + ui, mask=is_draft, other=-1))
+    tok_vec = tl.where(ui == 0, tl.load(root_ptr + b), tl.load(u_tok + ui, mask=is_draft, other=-1))
     par_vec = tl.where(ui == 0, -1, tl.load(scr_b + ui, mask=is_draft, other=-1))
     dep_vec = tl.load(depth_ptr + ui, mask=is_draft & (ui < N), other=0)
     src_vec = tl.where(ui == 0, _ROOT, tl.where(is_draft, _DRAFT, -1))
@@ -207,7 +225,7 @@ def _build_tree_kernel(
     tl.store(scores_ptr + ni, tl.full([N_PAD], float("-inf"), tl.float32), mask=pad)
     tl.store(pool_index_ptr + ni, tl.full([N_PAD], -1, tl.int64), mask=pad)
     tl.store(values_ptr + ni, tl.full([N_PAD], float("-inf"), tl.float32), mask=pad)
-    tl.store(n_nodes_ptr, n_out.to(tl.int64))
+    tl.store(n_nodes_ptr + b, n_out.to(tl.int64))
     tl.debug_barrier()          # RAW: the mask rows follow the parents other threads just stored
 
     out = ni < N
@@ -244,61 +262,60 @@ def _config(P: int, C: int, N: int) -> dict:
 
 
 def build_tree(pool_tokens: torch.Tensor, pool_parents: torch.Tensor, pool_scores: torch.Tensor,
-               pool_depth: torch.Tensor, n_pool: int | torch.Tensor, root_token: int | torch.Tensor,
-               log_tau: float, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
-               cand_source: torch.Tensor, budget_n: int, pool_values: torch.Tensor | None = None,
-               cand_values: torch.Tensor | None = None) -> BuiltTree:
+               pool_depth: torch.Tensor, n_pool: torch.Tensor, roots: torch.Tensor, log_tau: torch.Tensor,
+               cand_tokens: torch.Tensor, cand_parents: torch.Tensor, cand_source: torch.Tensor, budget_n: int,
+               pool_values: torch.Tensor | None = None, cand_values: torch.Tensor | None = None) -> BuiltTree:
     """Triton version of ``graft_tk.reference.build_tree.build_tree``: same arguments, same
-    ``BuiltTree`` (shapes fixed by P, C, N; padding as documented there). One launch, no host
-    sync; ``n_pool`` may be a device tensor (read by the kernel, clamped to [0, P]). Inputs must
-    be well formed (parents before children); that is not checked on device.
+    ``BuiltTree`` (shapes fixed by B, P, C, N; padding as documented there). One launch for every
+    row, no host sync. Inputs must be well formed (parents before children); that is not checked
+    on device.
     """
-    P, C, N = pool_tokens.shape[0], cand_tokens.shape[0], budget_n
+    B, P = pool_tokens.shape
+    C, N = cand_tokens.shape[-1], budget_n
     if not isinstance(N, int) or N < 1:
         raise ValueError(f"budget_n must be an int >= 1, got {budget_n!r}")
-    if pool_tokens.dim() != 1 or any(t.shape != (P,) for t in (pool_parents, pool_scores, pool_depth)):
-        raise ValueError(f"pool tensors must be 1-D of one length P={P}")
-    if cand_tokens.dim() != 1 or cand_parents.shape != (C,) or cand_source.shape != (C,):
-        raise ValueError(f"cand_tokens, cand_parents, cand_source must be 1-D of one length C={C}")
-    if pool_values is not None and pool_values.shape != (P,):
-        raise ValueError(f"pool_values must be [P={P}], got {list(pool_values.shape)}")
-    if cand_values is not None and cand_values.shape != (C,):
-        raise ValueError(f"cand_values must be [C={C}], got {list(cand_values.shape)}")
+    if pool_tokens.dim() != 2 or any(t.shape != (B, P) for t in (pool_parents, pool_scores, pool_depth)):
+        raise ValueError(f"pool tensors must be [B, P] of one shape, got {list(pool_tokens.shape)}")
+    if n_pool.shape != (B,) or roots.shape != (B,) or log_tau.shape != (B,):
+        raise ValueError(f"n_pool, roots and log_tau must be [B={B}]")
+    if cand_tokens.shape != (B, C) or cand_parents.shape != (C,) or cand_source.shape != (C,):
+        raise ValueError(f"cand_tokens must be [B={B}, C], cand_parents and cand_source [C={C}]")
+    if pool_values is not None and pool_values.shape != (B, P):
+        raise ValueError(f"pool_values must be [B={B}, P={P}], got {list(pool_values.shape)}")
+    if cand_values is not None and cand_values.shape != (B, C):
+        raise ValueError(f"cand_values must be [B={B}, C={C}], got {list(cand_values.shape)}")
     dev = pool_tokens.device
-    tensors = (pool_parents, pool_scores, pool_depth, cand_tokens, cand_parents, cand_source, n_pool, root_token,
+    tensors = (pool_parents, pool_scores, pool_depth, cand_tokens, cand_parents, cand_source, n_pool, roots, log_tau,
                pool_values, cand_values)
     if any(isinstance(t, torch.Tensor) and t.device != dev for t in tensors):
         raise ValueError(f"every tensor argument must be on the pool's device ({dev})")
-    from_ptr = isinstance(n_pool, torch.Tensor)
-    if not from_ptr and not 0 <= n_pool <= P:
-        raise ValueError(f"n_pool must be in [0, P={P}], got {n_pool}")
     has_values = pool_values is not None or cand_values is not None
     if has_values:   # one given: the other side ties at log 1, as in the reference
-        pool_values = (pool_values if pool_values is not None else torch.zeros(P, device=dev)).float().contiguous()
-        cand_values = (cand_values if cand_values is not None else torch.zeros(C, device=dev)).float().contiguous()
-    root = torch.as_tensor(root_token, dtype=torch.int64, device=dev).reshape(1)
+        pool_values = (pool_values if pool_values is not None else torch.zeros(B, P, device=dev)).float().contiguous()
+        cand_values = (cand_values if cand_values is not None else torch.zeros(B, C, device=dev)).float().contiguous()
     cfg = _config(P, C, N)
     W = (N + 31) // 32
-    out = BuiltTree(tokens=torch.empty(N, dtype=torch.int64, device=dev),
-                    parents=torch.empty(N, dtype=torch.int32, device=dev),
-                    depth=torch.empty(N, dtype=torch.int32, device=dev),
-                    source=torch.empty(N, dtype=torch.int8, device=dev),
-                    scores=torch.empty(N, dtype=torch.float32, device=dev),
-                    pool_index=torch.empty(N, dtype=torch.int64, device=dev),
-                    mask=torch.empty(N, W, dtype=torch.int32, device=dev),
-                    n_nodes=torch.empty((), dtype=torch.int64, device=dev),
-                    cand_node=torch.empty(C, dtype=torch.int32, device=dev),
-                    values=torch.empty(N, dtype=torch.float32, device=dev))
-    scratch = torch.empty(2 * cfg["S_PAD"], dtype=torch.int32, device=dev)
-    scratch_f = torch.empty(cfg["S_PAD"], dtype=torch.float32, device=dev)
-    union = torch.empty(2 * cfg["U_PAD"], dtype=torch.int64, device=dev)
-    union_f = torch.empty(cfg["U_PAD"], dtype=torch.float32, device=dev)
-    n_pool_t = n_pool.reshape(1) if from_ptr else root   # any pointer; unread when n_pool is an int
+    out = BuiltTree(tokens=torch.empty(B, N, dtype=torch.int64, device=dev),
+                    parents=torch.empty(B, N, dtype=torch.int32, device=dev),
+                    depth=torch.empty(B, N, dtype=torch.int32, device=dev),
+                    source=torch.empty(B, N, dtype=torch.int8, device=dev),
+                    scores=torch.empty(B, N, dtype=torch.float32, device=dev),
+                    pool_index=torch.empty(B, N, dtype=torch.int64, device=dev),
+                    mask=torch.empty(B, N, W, dtype=torch.int32, device=dev),
+                    n_nodes=torch.empty(B, dtype=torch.int64, device=dev),
+                    cand_node=torch.empty(B, C, dtype=torch.int32, device=dev),
+                    values=torch.empty(B, N, dtype=torch.float32, device=dev))
+    if B == 0:
+        return out
+    scratch = torch.empty(B, 2 * cfg["S_PAD"], dtype=torch.int32, device=dev)
+    scratch_f = torch.empty(B, cfg["S_PAD"], dtype=torch.float32, device=dev)
+    union = torch.empty(B, 2 * cfg["U_PAD"], dtype=torch.int64, device=dev)
+    union_f = torch.empty(B, cfg["U_PAD"], dtype=torch.float32, device=dev)
     values = (pool_values, cand_values) if has_values else (pool_scores, pool_scores)  # unread without values
-    launch(_build_tree_kernel, (1,),
-           pool_tokens.contiguous(), pool_parents.contiguous(), pool_scores.contiguous(), values[0],
-           pool_depth.contiguous(), n_pool_t, root, cand_tokens.contiguous(), cand_parents.contiguous(),
+    launch(_build_tree_kernel, (B,),
+           pool_tokens.contiguous(), pool_parents.contiguous(), pool_scores.float().contiguous(), values[0],
+           pool_depth.contiguous(), n_pool.to(torch.int64).contiguous(), roots.to(torch.int64).contiguous(),
+           log_tau.float().contiguous(), cand_tokens.contiguous(), cand_parents.contiguous(),
            cand_source.contiguous(), values[1],
-           *out, scratch, scratch_f, union, union_f, P, C, N, W, 0 if from_ptr else int(n_pool), float(log_tau),
-           N_POOL_FROM_PTR=from_ptr, HAS_VALUES=has_values, **cfg)
+           *out, scratch, scratch_f, union, union_f, P, C, N, W, HAS_VALUES=has_values, **cfg)
     return out

@@ -1,7 +1,7 @@
-"""KV commit: move the accepted path's KV into contiguous slots, every layer, K and V, ONE launch.
+"""KV commit: move every row's accepted path's KV into contiguous slots, every layer, K and V, ONE launch.
 
-Semantics are those of ``graft_tk.reference.commit_kv.commit_kv``: slot ``dst_start + i``
-receives slot ``src_slots[i]``. Source and destination ranges overlap (accepted tree nodes sit
+Semantics are those of ``graft_tk.reference.commit_kv.commit_kv``: slot ``dst[b] + i`` of batch
+row b receives its slot ``src_slots[b, i]``. Source and destination ranges overlap (accepted tree nodes sit
 just after the prefix: src [t, t+2, t+3] -> dst [t, t+1, t+2] reads slot t+2 for row 1 and
 writes it for row 2), so the order of reads and writes matters.
 
@@ -37,11 +37,11 @@ _BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def _commit_kv_kernel(
     kv_ptr, src_ptr, dst_ptr,
     # sizes
-    n_slots, dst_start, n_heads, batch, head_dim,
+    n_slots, n_heads, batch, head_dim,
     # strides of kv [L, 2, B, H, S, D]
     stride_l, stride_c, stride_b, stride_h, stride_s, stride_d,
     # meta-parameters
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DST_IN_MEMORY: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)   # (layer, k/v, batch, head) flattened; int64: big caches
     h = row % n_heads
@@ -53,14 +53,11 @@ def _commit_kv_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (offs_n < n_slots)[:, None] & (offs_d < head_dim)[None, :]
-    src = tl.load(src_ptr + offs_n, mask=offs_n < n_slots, other=0)
+    src = tl.load(src_ptr + b * n_slots + offs_n, mask=offs_n < n_slots, other=0)
     tile = tl.load(base + src[:, None] * stride_s + offs_d[None, :] * stride_d, mask=mask)
     # Every read of this program's tile happens before any write (see the module docstring).
     tl.debug_barrier()
-    if DST_IN_MEMORY:   # the first destination slot is a device value (a captured step's)
-        dst = tl.load(dst_ptr).to(tl.int64) + offs_n.to(tl.int64)
-    else:
-        dst = dst_start + offs_n.to(tl.int64)
+    dst = tl.load(dst_ptr + b).to(tl.int64) + offs_n.to(tl.int64)   # the row's first destination: a device value
     tl.store(base + dst[:, None] * stride_s + offs_d[None, :] * stride_d, tile, mask=mask)
 
 
@@ -71,36 +68,33 @@ def _config(n_slots: int, head_dim: int) -> tuple[int, int, int]:
     return block_n, block_d, 1 if block_n * block_d <= 512 else 4
 
 
-def commit_kv(kv: Tensor, src_slots: Tensor, dst_start: int | Tensor) -> None:
-    """Copy slot ``src_slots[i]`` to slot ``dst_start + i`` for every layer, K and V, in place.
+def commit_kv(kv: Tensor, src_slots: Tensor, dst: Tensor) -> None:
+    """Copy slot ``src_slots[b, i]`` to slot ``dst[b] + i`` of every row b, every layer, K and V, in place.
 
     Parameters
     ----------
     kv : Tensor, [L, 2, B, H, S, D], any dtype of 1, 2, 4 or 8 bytes, any strides
         The static KV cache; updated in place.
-    src_slots : Tensor, integer [n], n <= 4096
+    src_slots : Tensor, integer [B, n], n <= 4096
         Source slots in [0, S) (not checked: that would sync); may overlap the destination.
-    dst_start : int, or integer 0-d Tensor on kv's device
-        First destination slot; ``0 <= dst_start`` and ``dst_start + n <= S`` (a tensor's value
-        is not checked: that would sync). A tensor is read by the kernel, so a step captured in
-        a CUDA graph replays with a new one.
+    dst : Tensor, integer [B] on kv's device
+        Each row's first destination slot; ``dst[b] + n <= S`` (not checked: that would sync).
+        Read by the kernel, so a step captured in a CUDA graph replays with new ones.
 
     One launch of L * 2 * B * H * ceil(D / BLOCK_D) programs; n = 0 launches nothing.
     """
     if kv.dim() != 6 or kv.shape[1] != 2:
         raise ValueError(f"kv must be [L, 2, B, H, S, D], got {list(kv.shape)}")
-    if src_slots.dim() != 1 or src_slots.dtype.is_floating_point or src_slots.dtype == torch.bool:
-        raise ValueError(f"src_slots must be a 1-D integer tensor, got {src_slots.dtype} {list(src_slots.shape)}")
-    if src_slots.device != kv.device:
-        raise ValueError(f"src_slots is on {src_slots.device}, kv on {kv.device}")
-    n = src_slots.shape[0]
     n_layers, _, batch, n_heads, n_cache, head_dim = kv.shape
-    in_memory = isinstance(dst_start, Tensor)
-    if in_memory and (dst_start.dim() != 0 or dst_start.dtype.is_floating_point or dst_start.device != kv.device):
-        raise ValueError(f"a tensor dst_start must be a 0-d integer tensor on {kv.device}, got "
-                         f"{dst_start.dtype} {list(dst_start.shape)} on {dst_start.device}")
-    if not in_memory and not 0 <= dst_start <= n_cache - n:
-        raise ValueError(f"destination slots [{dst_start}, {dst_start + n}) fall outside the cache's {n_cache} slots")
+    if (src_slots.dim() != 2 or src_slots.shape[0] != batch or src_slots.dtype.is_floating_point
+            or src_slots.dtype == torch.bool):
+        raise ValueError(f"src_slots must be an integer tensor [B={batch}, n], got {src_slots.dtype} "
+                         f"{list(src_slots.shape)}")
+    if dst.shape != (batch,) or dst.dtype.is_floating_point or dst.dtype == torch.bool:
+        raise ValueError(f"dst must be an integer tensor [B={batch}], got {dst.dtype} {list(dst.shape)}")
+    if src_slots.device != kv.device or dst.device != kv.device:
+        raise ValueError(f"src_slots ({src_slots.device}) and dst ({dst.device}) must be on kv's device ({kv.device})")
+    n = src_slots.shape[1]
     if n > MAX_SLOTS:
         raise ValueError(f"commit_kv moves at most {MAX_SLOTS} slots per call (one program holds them all), got {n}")
     if kv.element_size() not in _BITS_DTYPE:
@@ -111,7 +105,5 @@ def commit_kv(kv: Tensor, src_slots: Tensor, dst_start: int | Tensor) -> None:
     src = src_slots.to(torch.int64).contiguous()
     block_n, block_d, num_warps = _config(n, head_dim)
     grid = (n_layers * 2 * batch * n_heads, triton.cdiv(head_dim, block_d))
-    launch(_commit_kv_kernel, grid, bits, src, dst_start if in_memory else src,
-           n, 0 if in_memory else dst_start, n_heads, batch, head_dim,
-           *bits.stride(),
-           BLOCK_N=block_n, BLOCK_D=block_d, DST_IN_MEMORY=in_memory, num_warps=num_warps)
+    launch(_commit_kv_kernel, grid, bits, src, dst.to(torch.int64).contiguous(), n, n_heads, batch, head_dim,
+           *bits.stride(), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps)

@@ -102,12 +102,18 @@ def _scan(logits_ptr, stride_f, rows, row_ok, lo, hi, run, m, s, BLOCK_V: tl.con
 @triton.jit
 def _draft_expand_partial_kernel(
     logits_ptr, part_keys_ptr, part_m_ptr, part_s_ptr,
-    F, V, stride_f, chunk,
+    F, V, stride_b, stride_f, chunk, n_chunks,
     K: tl.constexpr, F_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Stage 1 of the split path: program c scans vocabulary columns [c * chunk, (c + 1) * chunk) of
-    every row and stores its top-K keys [F_PAD, K_PAD], row max and sum of exp for the finish."""
+    """Stage 1 of the split path: program (c, b) scans vocabulary columns [c * chunk, (c + 1) * chunk)
+    of every frontier row of batch row b and stores its top-K keys [F_PAD, K_PAD], row max and sum
+    of exp for the finish."""
     c = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    logits_ptr += b * stride_b
+    part_keys_ptr += b * n_chunks * F_PAD * K_PAD
+    part_m_ptr += b * n_chunks * F_PAD
+    part_s_ptr += b * n_chunks * F_PAD
     rows = tl.arange(0, F_PAD)
     slots = tl.arange(0, K_PAD)
     run, m, s = _start(rows, slots, K, F_PAD)
@@ -123,13 +129,23 @@ def _draft_expand_partial_kernel(
 def _draft_expand_kernel(
     # pointers
     frontier_ptr, logits_ptr, part_keys_ptr, part_m_ptr, part_s_ptr,
-    tokens_ptr, parents_ptr, scores_ptr, next_ptr, stop_ptr,
-    # sizes, strides, scalars
-    F, V, stride_f, log_tau, n_chunks,
+    tokens_ptr, parents_ptr, scores_ptr, next_ptr, stop_ptr, log_tau_ptr,
+    # sizes, strides
+    F, V, stride_b, stride_f, n_chunks,
     # meta-parameters
     K: tl.constexpr, F_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
     PARTIALS: tl.constexpr,    # merge stage 1's n_chunks partials instead of streaming the logits
 ):
+    b = tl.program_id(0).to(tl.int64)   # batch row: its frontier, logits, partials and outputs
+    frontier_ptr += b * F
+    logits_ptr += b * stride_b
+    part_keys_ptr += b * n_chunks * F_PAD * K_PAD
+    part_m_ptr += b * n_chunks * F_PAD
+    part_s_ptr += b * n_chunks * F_PAD
+    tokens_ptr += b * F * K
+    scores_ptr += b * F * K
+    next_ptr += b * K
+    log_tau = tl.load(log_tau_ptr + b)
     rows = tl.arange(0, F_PAD)
     slots = tl.arange(0, K_PAD)
     row_ok = rows < F
@@ -157,7 +173,8 @@ def _draft_expand_kernel(
     logp = (_key_value(run) - m[:, None]) - tl.log(tl.where(row_ok, s, 1.0))[:, None]   # pad rows: s = 0
     scores = tl.load(frontier_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None] + logp
     tl.store(tokens_ptr + child, _key_index(run), mask=child_ok)
-    tl.store(parents_ptr + child, (rows[:, None] + 0 * slots[None, :]).to(tl.int64), mask=child_ok)
+    tl.store(parents_ptr + child, (rows[:, None] + 0 * slots[None, :]).to(tl.int64),
+             mask=tl.where(b == 0, child_ok, False))   # every row alike: row 0 writes them
     tl.store(scores_ptr + child, scores, mask=child_ok)
 
     # Next frontier: the K best children, ties -> lower child index (same key trick).
@@ -166,7 +183,7 @@ def _draft_expand_kernel(
     pos = tl.arange(0, F_PAD * K_PAD)
     tl.store(next_ptr + pos, _key_index(ckey), mask=pos < K)
     best_score = tl.max(tl.max(tl.where(child_ok, scores, float("-inf")), 1), 0)
-    tl.store(stop_ptr, (best_score < log_tau).to(tl.int8))
+    tl.store(stop_ptr + b, (best_score < log_tau).to(tl.int8))
 
 
 def _config(F: int, V: int, K: int) -> dict:
@@ -186,53 +203,60 @@ def vocab_chunks(V: int, block_v: int, sms: int) -> int:
     return max(1, min(sms, triton.cdiv(V, block_v * MIN_TILES_PER_CHUNK)))
 
 
-def draft_expand(frontier_scores: torch.Tensor, logits: torch.Tensor, top_k: int, log_tau: float
+def draft_expand(frontier_scores: torch.Tensor, logits: torch.Tensor, top_k: int, log_tau: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of ``graft_tk.reference.draft_expand.draft_expand`` (same shapes, dtypes, ties).
 
-    frontier_scores float [F], logits float [F, V] (any float dtype, read as fp32; last dim
-    contiguous) -> child_tokens int64 [F*K], child_parents int64 [F*K], child_scores float32
-    [F*K], next_frontier int64 [K], stop bool []. No host sync; one launch, two on a GPU (the
-    vocabulary over ``vocab_chunks`` programs, then the finish).
+    frontier_scores float [B, F], logits float [B, F, V] (any float dtype, read as fp32; last dim
+    contiguous), log_tau float32 [B] -> child_tokens int64 [B, F*K], child_parents int64 [F*K],
+    child_scores float32 [B, F*K], next_frontier int64 [B, K], stop bool [B]. No host sync; one
+    launch for every row, two on a GPU (the vocabulary over ``vocab_chunks`` programs per row,
+    then the finish).
     """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [F, V], got {list(logits.shape)}")
-    F, V = logits.shape
-    if frontier_scores.shape != (F,):
-        raise ValueError(f"frontier_scores must be [F={F}], got {list(frontier_scores.shape)}")
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, F, V], got {list(logits.shape)}")
+    B, F, V = logits.shape
+    if frontier_scores.shape != (B, F):
+        raise ValueError(f"frontier_scores must be [B={B}, F={F}], got {list(frontier_scores.shape)}")
+    if log_tau.shape != (B,):
+        raise ValueError(f"log_tau must be [B={B}], got {list(log_tau.shape)}")
     if not isinstance(top_k, int) or not 1 <= top_k <= V:
         raise ValueError(f"top_k must be an int in [1, V={V}], got {top_k!r}")
     if F < 1 or V >= 2 ** 31:
         raise ValueError(f"need F >= 1 and V < 2**31, got F={F}, V={V}")
-    if not logits.is_floating_point() or frontier_scores.device != logits.device:
-        raise ValueError(f"logits must be a float tensor on frontier_scores' device, got {logits.dtype} on "
-                         f"{logits.device} (frontier_scores on {frontier_scores.device})")
+    if not logits.is_floating_point() or frontier_scores.device != logits.device or log_tau.device != logits.device:
+        raise ValueError(f"logits must be a float tensor on frontier_scores' and log_tau's device, got {logits.dtype} "
+                         f"on {logits.device} (frontier_scores on {frontier_scores.device})")
     config = _config(F, V, top_k)
     return _expand(frontier_scores, logits, top_k, log_tau, config,
                    vocab_chunks(V, config["BLOCK_V"], multiprocessors(logits.device)))
 
 
-def _expand(frontier_scores, logits, K: int, log_tau: float, config: dict, chunks: int):
+def _expand(frontier_scores, logits, K: int, log_tau: torch.Tensor, config: dict, chunks: int):
     """The launches of ``draft_expand`` (checked arguments) with the vocabulary in ``chunks`` chunks."""
-    if logits.stride(1) != 1:
+    if logits.stride(2) != 1:
         logits = logits.contiguous()
-    (F, V), dev = logits.shape, logits.device
+    (B, F, V), dev = logits.shape, logits.device
     chunk = triton.cdiv(triton.cdiv(V, chunks), config["BLOCK_V"]) * config["BLOCK_V"]
     chunks = triton.cdiv(V, chunk)                       # no empty chunk
-    child_tokens = torch.empty(F * K, dtype=torch.int64, device=dev)
+    child_tokens = torch.empty(B, F * K, dtype=torch.int64, device=dev)
     child_parents = torch.empty(F * K, dtype=torch.int64, device=dev)
-    child_scores = torch.empty(F * K, dtype=torch.float32, device=dev)
-    next_frontier = torch.empty(K, dtype=torch.int64, device=dev)
-    stop = torch.empty((), dtype=torch.int8, device=dev)
+    child_scores = torch.empty(B, F * K, dtype=torch.float32, device=dev)
+    next_frontier = torch.empty(B, K, dtype=torch.int64, device=dev)
+    stop = torch.empty(B, dtype=torch.int8, device=dev)
+    if B == 0:
+        return child_tokens, torch.arange(F, device=dev).repeat_interleave(K), child_scores, next_frontier, \
+            stop.view(torch.bool)
     f_pad, k_pad = config["F_PAD"], config["K_PAD"]
-    part_keys = torch.empty(chunks if chunks > 1 else 1, f_pad, k_pad, dtype=torch.int64, device=dev)
-    part_m = torch.empty(part_keys.shape[0], f_pad, dtype=torch.float32, device=dev)
+    n_part = chunks if chunks > 1 else 1
+    part_keys = torch.empty(B, n_part, f_pad, k_pad, dtype=torch.int64, device=dev)
+    part_m = torch.empty(B, n_part, f_pad, dtype=torch.float32, device=dev)
     part_s = torch.empty_like(part_m)
     if chunks > 1:
-        launch(_draft_expand_partial_kernel, (chunks,), logits, part_keys, part_m, part_s, F, V, logits.stride(0),
-               chunk, K=K, **config)
-    launch(_draft_expand_kernel, (1,),
-           frontier_scores.contiguous(), logits, part_keys, part_m, part_s,
-           child_tokens, child_parents, child_scores, next_frontier, stop,
-           F, V, logits.stride(0), float(log_tau), chunks, K=K, PARTIALS=chunks > 1, **config)
+        launch(_draft_expand_partial_kernel, (chunks, B), logits, part_keys, part_m, part_s, F, V, logits.stride(0),
+               logits.stride(1), chunk, n_part, K=K, **config)
+    launch(_draft_expand_kernel, (B,),
+           frontier_scores.float().contiguous(), logits, part_keys, part_m, part_s,
+           child_tokens, child_parents, child_scores, next_frontier, stop, log_tau.float().contiguous(),
+           F, V, logits.stride(0), logits.stride(1), n_part, K=K, PARTIALS=chunks > 1, **config)
     return child_tokens, child_parents, child_scores, next_frontier, stop.view(torch.bool)

@@ -1,7 +1,7 @@
-"""Prompt lookup over the device context buffer, in ONE launch.
+"""Prompt lookup over every row of the device context buffer, in ONE launch.
 
-Same result as the torch reference (``graft_tk.reference.prompt_lookup``): one program sweeps the
-committed context in blocks of BLOCK positions; for each n-gram length n (unrolled, shortest
+Same result as the torch reference (``graft_tk.reference.prompt_lookup``): one program per batch
+row sweeps its committed context in blocks of BLOCK positions; for each n-gram length n (unrolled, shortest
 first) it keeps the latest window that equals the last n committed tokens and is followed by a
 committed token. The longest n with a match wins; the program then gathers the L tokens after it
 (-1 past the committed length). The context is read G times (G = n-gram lengths tried): 3 x 16 KB
@@ -21,11 +21,15 @@ from ._common import launch, next_pow2
 @triton.jit
 def _prompt_lookup_kernel(
     ctx_ptr, length_ptr, chain_ptr, ngram_ptr,
-    n_ctx,
+    n_ctx, stride_row,
     MIN_NGRAM: tl.constexpr, MAX_NGRAM: tl.constexpr, L: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    length = tl.load(length_ptr).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)          # batch row: its context, length and outputs
+    ctx_ptr += row * stride_row
+    chain_ptr += row * L
+    ngram_ptr += row
+    length = tl.load(length_ptr + row).to(tl.int64)
     best_start = tl.full([], -1, tl.int64)
     ngram = tl.full([], 0, tl.int64)
     for n in tl.static_range(MIN_NGRAM, MAX_NGRAM + 1):
@@ -50,16 +54,21 @@ def _prompt_lookup_kernel(
     tl.store(ngram_ptr, ngram)
 
 
-def prompt_lookup(context: Tensor, length: int | Tensor, max_ngram: int = 3, min_ngram: int = 1,
+def prompt_lookup(context: Tensor, length: Tensor, max_ngram: int = 3, min_ngram: int = 1,
                   max_tokens: int = 10) -> tuple[Tensor, Tensor]:
-    """Same contract as ``graft_tk.reference.prompt_lookup.prompt_lookup``: (chain int64 [L] padded
-    with -1, ngram int64 0-d) from ``context[:length]``; ``length`` may be a 0-d device tensor."""
-    check_prompt_lookup_args(context, max_ngram, min_ngram, max_tokens)
-    device = context.device
-    length = torch.as_tensor(length, dtype=torch.int64, device=device).reshape(())
-    chain = torch.empty(max_tokens, dtype=torch.int64, device=device)
-    ngram = torch.empty((), dtype=torch.int64, device=device)
-    launch(_prompt_lookup_kernel, (1,), context, length, chain, ngram, context.shape[0],
+    """Same contract as ``graft_tk.reference.prompt_lookup.prompt_lookup``: (chain int64 [B, L]
+    padded with -1, ngram int64 [B]) from each row's ``context[b, :length[b]]``, ``length`` [B]
+    read on the device."""
+    check_prompt_lookup_args(context, length, max_ngram, min_ngram, max_tokens)
+    B, device = context.shape[0], context.device
+    chain = torch.empty(B, max_tokens, dtype=torch.int64, device=device)
+    ngram = torch.empty(B, dtype=torch.int64, device=device)
+    if B == 0:
+        return chain, ngram
+    if context.stride(1) != 1:
+        context = context.contiguous()
+    launch(_prompt_lookup_kernel, (B,), context, length.to(torch.int64).contiguous(), chain, ngram,
+           context.shape[1], context.stride(0),
            MIN_NGRAM=min_ngram, MAX_NGRAM=max_ngram, L=max_tokens, BLOCK_L=next_pow2(max_tokens),
            BLOCK=1024, num_warps=4)
     return chain, ngram

@@ -37,10 +37,11 @@ def _retrieve_kernel(
     # meta-parameters
     BLOCK_T: tl.constexpr,
 ):
+    row = tl.program_id(1).to(tl.int64)    # batch row: its root, its output row
     offs = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     valid = offs < n_nodes
     depth = tl.load(depth_ptr + offs, mask=valid, other=0)
-    root = tl.load(root_ptr).to(tl.int64)
+    root = tl.load(root_ptr + row).to(tl.int64)
     tok = tl.zeros([BLOCK_T], dtype=tl.int64) + root
     for d in range(0, max_depth):
         step = valid & (d < depth)
@@ -50,7 +51,7 @@ def _retrieve_kernel(
         live = step & (tok >= 0) & (tok < n_vocab)
         nxt = tl.load(adj_ptr + tok * stride_adj_v + rank * stride_adj_k, mask=live, other=-1)
         tok = tl.where(step, nxt.to(tl.int64), tok)
-    tl.store(out_ptr + offs, tok, mask=valid)
+    tl.store(out_ptr + row * n_nodes + offs, tok, mask=valid)
 
 
 def _config(n_nodes: int) -> tuple[int, int]:
@@ -60,41 +61,42 @@ def _config(n_nodes: int) -> tuple[int, int]:
     return block_t, 1 if block_t <= 64 else 2
 
 
-def retrieve(adj: Tensor, root_token: Tensor, template: RetrievalTemplate) -> Tensor:
-    """Tokens of every template node, walked from ``root_token`` through ``adj`` (one launch).
+def retrieve(adj: Tensor, roots: Tensor, template: RetrievalTemplate) -> Tensor:
+    """Tokens of every template node, walked from each row's root through ``adj`` (one launch).
 
     Parameters
     ----------
     adj : Tensor, int32 [V, k]
         The successor matrix, ``k >= template.k``; -1 marks an empty entry.
-    root_token : Tensor, int64 [] or [1]
-        The last committed token (read on the device: no host sync).
+    roots : Tensor, int64 [B]
+        Each row's last committed token (read on the device: no host sync).
     template : RetrievalTemplate
         T nodes in BFS order, on ``adj``'s device.
 
     Returns
     -------
-    Tensor, int64 [T]
+    Tensor, int64 [B, T]
         Same as the reference: -1 where the parent's token is -1 or the M entry is empty, so a
         missing node's subtree is -1. (A root token outside [0, V) gives all -1 here; the
-        reference raises an IndexError.) T = 0 returns an empty tensor without a launch.
+        reference raises an IndexError.) T = 0 or B = 0 returns an empty tensor without a launch.
     """
     if adj.dim() != 2 or adj.dtype != torch.int32:
         raise ValueError(f"adj must be int32 [V, k], got {adj.dtype} {list(adj.shape)}")
     if adj.shape[1] < template.k:
         raise ValueError(f"template reads k={template.k} columns but adj has only {adj.shape[1]}")
-    if root_token.numel() != 1:
-        raise ValueError(f"root_token must hold one token ([] or [1]), got shape {list(root_token.shape)}")
-    if template.parents.device != adj.device or root_token.device != adj.device:
-        raise ValueError(f"adj ({adj.device}), root_token ({root_token.device}) and template "
+    if roots.dim() != 1:
+        raise ValueError(f"roots must be [B], got shape {list(roots.shape)}")
+    if template.parents.device != adj.device or roots.device != adj.device:
+        raise ValueError(f"adj ({adj.device}), roots ({roots.device}) and template "
                          f"({template.parents.device}) must share a device (see RetrievalTemplate.to)")
-    out = torch.empty(template.n, dtype=torch.int64, device=adj.device)
-    if template.n == 0:
+    B = roots.shape[0]
+    out = torch.empty(B, template.n, dtype=torch.int64, device=adj.device)
+    if out.numel() == 0:
         return out
     rank_paths = template.rank_paths
     block_t, num_warps = _config(template.n)
-    launch(_retrieve_kernel, (triton.cdiv(template.n, block_t),),
-           adj, root_token, rank_paths, template.depth, out,
+    launch(_retrieve_kernel, (triton.cdiv(template.n, block_t), B),
+           adj, roots.contiguous(), rank_paths, template.depth, out,
            template.n, adj.shape[0], len(template.levels),
            adj.stride(0), adj.stride(1), rank_paths.stride(0),
            BLOCK_T=block_t, num_warps=num_warps)

@@ -45,14 +45,14 @@ _LOG2E = 1.4426950408889634          # softmax in base 2: exp(x) = exp2(x * log2
 @triton.jit
 def _tree_attention_kernel(
     # pointers
-    Q, K, V, Mask, Out, PartO, PartLse,
+    Q, K, V, Prefix, Mask, Out, PartO, PartLse,
     # sizes
-    T, group, prefix_len, kv_len, qk_scale, n_splits, keys_per_split,
+    T, group, L, qk_scale, n_splits, keys_per_split,
     # strides
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_mt, stride_ml,
+    stride_mb, stride_mt, stride_ml,
     stride_ob, stride_oh, stride_ot, stride_od,
     stride_pb, stride_ph, stride_pt, stride_ps, stride_pd,   # PartO [B, Hq, T, splits, D]
     stride_lb, stride_lh, stride_lt, stride_ls,              # PartLse [B, Hq, T, splits]
@@ -68,6 +68,8 @@ def _tree_attention_kernel(
     kv_head = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)   # int64 scalar bases: b * stride_kb passes 2^31 in a large batched cache;
                                         # the per-row offsets stay int32 (registers)
+    prefix_len = tl.load(Prefix + b).to(tl.int32)   # this row's visible cached keys (a device value)
+    kv_len = prefix_len + L
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)   # flattened (head in group, query) index
     row_ok = rows < group * T
@@ -124,7 +126,7 @@ def _tree_attention_kernel(
             visible = (cols < prefix_len)[None, :] | ((mask_col[None, :] <= query[:, None]) & in_kv[None, :])
         else:
             in_block = (mask_col >= 0) & in_kv
-            bits = tl.load(Mask + query[:, None] * stride_mt + mask_col[None, :] * stride_ml,
+            bits = tl.load(Mask + b * stride_mb + query[:, None] * stride_mt + mask_col[None, :] * stride_ml,
                            mask=row_ok[:, None] & in_block[None, :], other=0)
             visible = (cols < prefix_len)[None, :] | (bits != 0)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
@@ -225,25 +227,26 @@ def kv_splits(programs: int, kv_len: int, sms: int) -> int:
     return max(1, min(kv_len // MIN_KEYS_PER_SPLIT, triton.cdiv(sms, programs), MAX_SPLITS))
 
 
-def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tensor | None,
+def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix: Tensor, block: Tensor | None, keys: int,
                    scale: float | None = None, validate: bool = True) -> Tensor:
     """Triton kernel for ``graft_tk.reference.tree_attention`` (same arguments, same result).
 
-    q [B, Hq, T, D], k/v [B, Hkv, S, D] (any strides), prefix_len int, mask bool [T, L] or None
-    (causal: blocks above the diagonal are skipped, no mask is read); returns q's dtype
-    [B, Hq, T, D]; a query that sees no key outputs zeros. D must be a power of two from 16 to 256
-    (ValueError otherwise). One launch, two when the keys are split over programs (a short
-    launch over a long context on a GPU: ``kv_splits``, or the tuned ``KV_SPLITS``).
-    ``validate=False`` skips the argument checks (a model checks them in its first layer only:
-    the other layers have the same shapes).
+    q [B, Hq, T, D], k/v [B, Hkv, S, D] (any strides), prefix int64 [B] (read on the device: each
+    row stops at its own keys), block bool [B, T, L] or None (causal: blocks above the diagonal
+    are skipped, no mask is read), keys the host's bound on any row's prefix + L (it sizes the
+    key splits); returns q's dtype [B, Hq, T, D]; a query that sees no key outputs zeros. D must
+    be a power of two from 16 to 256 (ValueError otherwise). One launch, two when the keys are
+    split over programs (a short launch over a long context on a GPU: ``kv_splits``, or the tuned
+    ``KV_SPLITS``). ``validate=False`` skips the argument checks (a model checks them in its
+    first layer only: the other layers have the same shapes).
     """
-    prefix_len = check_tree_attention_args(q, k, v, prefix_len, mask) if validate else prefix_len
+    if validate:
+        check_tree_attention_args(q, k, v, prefix, block, keys)
     B, Hq, T, D = q.shape
     if D not in HEAD_DIMS:
         raise ValueError(f"head dim {D} is not supported by the Triton tree attention; supported: {HEAD_DIMS}")
     Hkv = k.shape[1]
     rows = Hq // Hkv * T
-    kv_len = prefix_len + (T if mask is None else mask.shape[1])
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
 
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
@@ -251,30 +254,32 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tenso
         return out
     meta = block_sizes(rows, D, q.dtype)
     if not interpreted():  # on a GPU: this GPU's tuned tiles for the shape bucket, if any (graft-autotune)
-        meta = select("tree_attention", shape_bucket(rows, D, kv_len, q.dtype), meta, q.device)
+        meta = select("tree_attention", shape_bucket(rows, D, keys, q.dtype), meta, q.device)
     if "KV_SPLITS" not in meta:
         programs = triton.cdiv(rows, meta["BLOCK_M"]) * Hkv * B
-        meta = {**meta, "KV_SPLITS": kv_splits(programs, kv_len, multiprocessors(q.device))}
-    _launch(q, k, v, prefix_len, mask, scale, out, meta)
+        meta = {**meta, "KV_SPLITS": kv_splits(programs, keys, multiprocessors(q.device))}
+    _launch(q, k, v, prefix, block, keys, scale, out, meta)
     return out
 
 
-def _launch(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tensor | None, scale: float, out: Tensor,
-            meta: dict) -> None:
+def _launch(q: Tensor, k: Tensor, v: Tensor, prefix: Tensor, block: Tensor | None, keys: int, scale: float,
+            out: Tensor, meta: dict) -> None:
     """The kernel with tile sizes ``meta`` (checked arguments; the autotuner times this): one launch,
-    or with ``KV_SPLITS`` > 1 one per split of the keys into fp32 partials, then their combine."""
+    or with ``KV_SPLITS`` > 1 one per split of the keys into fp32 partials, then their combine.
+    The splits cover ``keys``; a row with fewer keys leaves its last splits empty (weight 0)."""
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv
-    kv_len = prefix_len + (T if mask is None else mask.shape[1])
+    causal = block is None
+    L = T if causal else block.shape[2]
     meta = dict(meta)
     block_n = meta["BLOCK_N"]
-    splits = max(1, min(meta.pop("KV_SPLITS", 1), triton.cdiv(kv_len, block_n)))
-    keys_per_split = triton.cdiv(triton.cdiv(kv_len, splits), block_n) * block_n
-    splits = triton.cdiv(kv_len, keys_per_split)        # no empty split
-    causal = mask is None
+    splits = max(1, min(meta.pop("KV_SPLITS", 1), triton.cdiv(keys, block_n)))
+    keys_per_split = triton.cdiv(triton.cdiv(keys, splits), block_n) * block_n
+    splits = triton.cdiv(keys, keys_per_split)          # no split past the bound
     # Arguments the constexprs never read (the causal mask, one split's partials) get a cached placeholder.
-    mask_u8, mask_strides = (unused(q.device, torch.uint8), (0, 0)) if causal else (mask.view(torch.uint8), mask.stride())
+    mask_u8, mask_strides = ((unused(q.device, torch.uint8), (0, 0, 0)) if causal
+                             else (block.view(torch.uint8), block.stride()))
     if splits > 1:
         part_o = torch.empty(B, Hq, T, splits, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
@@ -286,8 +291,8 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, prefix_len: int, mask: Tensor | Non
         meta = {name: value for name, value in meta.items() if name not in ("num_warps", "num_stages")}
     grid = (triton.cdiv(group * T, meta["BLOCK_M"]) * splits, Hkv, B)
     launch(_tree_attention_kernel, grid,
-           q, k, v, mask_u8, out, part_o, part_lse,
-           T, group, prefix_len, kv_len, scale * _LOG2E, splits, keys_per_split,
+           q, k, v, prefix, mask_u8, out, part_o, part_lse,
+           T, group, L, scale * _LOG2E, splits, keys_per_split,
            *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(), *part_strides,
            HEAD_DIM=D, CAUSAL=causal, SPLIT=splits > 1, DOT_FP32=interpreted() and q.dtype == torch.bfloat16,
            PRECISION="ieee" if q.dtype == torch.float32 else None, **meta)  # None: the target's default

@@ -16,7 +16,7 @@ and predicts x_{t+2}. The layer's attention reads ``[embed_norm(emb), hidden_nor
 drafting ops (``draft_expand``) run unchanged, plus the pre-norm hidden state for the children.
 
 The head keeps its own static KV cache ``kv[1, 2, B, Hkv, S, Dh]`` and takes the same tree-mask
-arguments as ``Transformer.forward`` (tokens, positions, start, attn_mask / mask_prefix). RoPE is
+arguments as ``Transformer.forward`` (tokens, positions, an ``AttentionPlan``). RoPE is
 relative, so any constant position offset between the (feature, next token) pairs and the target's
 positions gives the same logits.
 
@@ -34,8 +34,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import InputError
-from .transformer import (Attention, FeedForward, ModelConfig, RMSNorm, Transformer, attention_mask,
-                          ensure_cache, rope_inv_freq)
+from ..reference.tree_attention import tree_attention as reference_attention
+from .attention import AttentionPlan
+from .transformer import (Attention, FeedForward, ModelConfig, RMSNorm, Transformer, ensure_cache, rope_inv_freq,
+                          select_positions)
 
 __all__ = ["Eagle3Config", "Eagle3Head", "default_target_layers"]
 
@@ -118,9 +120,9 @@ class Eagle3Layer(nn.Module):
     def mlp(self, h: Tensor) -> Tensor:
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def forward(self, emb, h, cos, sin, kv, layer, slots, mask):
+    def forward(self, emb, h, cos, sin, kv, layer, plan, attention):
         x, residual = self.attention_input(emb, h)
-        return self.mlp(residual + self.attention(x, cos, sin, kv, layer, slots, mask))
+        return self.mlp(residual + self.attention(x, cos, sin, kv, layer, plan, attention))
 
 
 class Eagle3Head(nn.Module):
@@ -129,7 +131,7 @@ class Eagle3Head(nn.Module):
 
     # The same cache bookkeeping as the Transformer's (they only touch self.kv).
     cache_len = Transformer.cache_len
-    commit_kv = Transformer.commit_kv
+    cache_rows = Transformer.cache_rows
 
     def __init__(self, cfg: Eagle3Config, embedding: Tensor | None = None):
         super().__init__()
@@ -192,11 +194,10 @@ class Eagle3Head(nn.Module):
         a = self.layer.attention
         ensure_cache(self, 1, batch_size, a.n_kv_heads, max_seq_len, a.head_dim, self.lm_head.weight)
 
-    def forward(self, tokens: Tensor, positions: Tensor, start: int, attn_mask: Tensor | None = None,
-                last_only: bool = False, mask_prefix: int | None = None, *,
-                features: Tensor, attention: Callable | None = None, draft_vocab: bool = False
+    def forward(self, tokens: Tensor, positions: Tensor, plan: AttentionPlan | int, logits_at: int | Tensor | None = None,
+                *, features: Tensor, attention: Callable | None = None, draft_vocab: bool = False
                 ) -> tuple[Tensor, Tensor]:
-        """Run new entries against the head's cache (arguments as ``Transformer.forward``).
+        """Run new entries against the head's cache (``plan``, ``logits_at`` as ``Transformer.forward``).
 
         tokens:   [B, T] the token of each entry (the one AFTER the token the features describe)
         features: [B, T, n * target_dim] target features (``Transformer.forward(hidden_layers=
@@ -204,30 +205,32 @@ class Eagle3Head(nn.Module):
                   ``hidden`` output of each entry's parent, used as is
         returns   (logits [B, T, V] float32 over the target vocabulary, -inf outside the draft
                   vocabulary; hidden [B, T, hidden], the pre-norm output to feed to children);
-                  last_only keeps the last entry of both
+                  logits_at keeps that entry of both
         draft_vocab: logits over the draft vocabulary [B, T, draft_vocab_size] instead, not
                   scattered into a target-wide row (``draft_ids`` maps a draft id to its token):
                   a drafter ranks these and maps only the K winners
         """
         c = self.config
-        T = tokens.shape[1]
-        if self.kv is None or start + T > self.cache_len:
-            raise RuntimeError(f"KV cache holds {self.cache_len} slots; call setup_cache(>= {start + T})")
+        B, T = tokens.shape
+        if self.kv is None:
+            raise RuntimeError("the head has no KV cache; call setup_cache first")
+        if isinstance(plan, int):
+            if plan + T > self.cache_len:
+                raise RuntimeError(f"KV cache holds {self.cache_len} slots; call setup_cache(>= {plan + T})")
+            plan = AttentionPlan.causal(plan, B, T, tokens.device)
+        plan.check(B, T, self.cache_len)
         if features.shape[:2] != tokens.shape or features.shape[-1] not in (c.fused_size, c.hidden_size):
             raise InputError(f"features must be [B, T, {c.fused_size}] (target) or [B, T, {c.hidden_size}] "
                              f"(head), got {list(features.shape)} for tokens {list(tokens.shape)}")
-        mask = attention_mask(attention, start, T, attn_mask, mask_prefix, tokens.device)
         if positions.dim() == 1:
-            positions = positions[None].expand(tokens.shape[0], -1)
+            positions = positions[None].expand(B, -1)
         w = self.fc.weight
         h = features.to(w.dtype)
         if h.shape[-1] == c.fused_size:
             h = self.fc(h)
         emb = F.embedding(tokens, self.embedding_weight).to(w.dtype)
-        slots = torch.arange(start, start + T, device=tokens.device)
-        h = self.layer(emb, h, *self.rope.at(positions), self.kv, 0, slots, mask)
-        if last_only:
-            h = h[:, -1:]
+        h = self.layer(emb, h, *self.rope.at(positions), self.kv, 0, plan, attention or reference_attention)
+        h = select_positions(h, logits_at)
         draft = F.linear(self.norm(h), self.lm_head.weight).float()   # [B, T, draft_vocab]
         if self._identity_vocab or draft_vocab:
             return draft, h

@@ -9,19 +9,16 @@ The KV cache is static and lives in ONE tensor ``kv[L, 2, B, Hkv, S, Dh]`` so th
 accepted tree path moves every layer's K and V with a single indexed copy; new K/V are written by
 index, and the RoPE tables for its S positions are built with it (``new_cache``).
 
-Speculative decoding needs two things from the forward pass:
-  * tree attention: new tokens are written to cache slots ``[start, start + T)`` and a bool
-    ``attn_mask[T, start + T]`` says which cached slots each new token may see (its prefix and
-    its own ancestors). Without a mask the new tokens attend causally. The split form
-    ``mask_prefix=P, attn_mask[T, start + T - P]`` says the same without materialising the
-    all-True columns of the prefix.
-  * explicit positions: a tree node's RoPE position is ``prefix_len + depth``, not its slot.
+Every forward takes an ``AttentionPlan`` (``graft_tk.models.attention``): per batch row, the
+cache slots its new tokens' K/V go to, the cached prefix they all see (a device tensor: rows of a
+batch have their own lengths) and the masked block after it (a tree's ancestor mask, a drafter
+frontier's ancestry, or causal). Positions are explicit: a tree node's RoPE position is
+``prefix_len + depth``, not its slot.
 
-Attention is the tree-attention op (a visible prefix plus a masked block) that the caller passes
-as ``attention=`` — ``ops.tree_attention`` of the step's backend: the torch reference
-(``graft_tk.reference.tree_attention``, the default: a GQA group's heads share one matmul per kv
-head, no K/V copies) or the Triton kernel (``graft_tk.kernels.tree_attention``: flash-style,
-prefix keys read without a mask).
+Attention is the tree-attention op the caller passes as ``attention=`` — ``ops.tree_attention``
+of the step's backend: the torch reference (``graft_tk.reference.tree_attention``, the default:
+a GQA group's heads share one matmul per kv head, no K/V copies) or the Triton kernel
+(``graft_tk.kernels.tree_attention``: flash-style, each row's prefix keys read without a mask).
 """
 from __future__ import annotations
 
@@ -36,6 +33,7 @@ from torch import Tensor, nn
 
 from ..errors import InputError
 from ..reference.tree_attention import tree_attention as reference_attention
+from .attention import AttentionPlan
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -192,35 +190,30 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         return q, k, v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, layer: int, slots: Tensor,
-                mask: AttentionMask) -> Tensor:
-        # x: [B, T, dim]; kv: the whole cache [L, 2, B, Hkv, S, Dh]; slots [T]: where the new K/V go
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, layer: int, plan: AttentionPlan,
+                attention: Callable) -> Tensor:
+        # x: [B, T, dim]; kv: the whole cache [L, 2, B, Hkv, S, Dh]; the plan's slots [B, T]: where the new K/V go
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        write_kv(kv, layer, slots, k, v)
-        out = mask.attend(q.to(kv.dtype), kv[layer, 0], kv[layer, 1], validate=layer == 0).to(x.dtype)
+        write_kv(kv, layer, plan.slots, k, v)
+        out = attention(q.to(kv.dtype), kv[layer, 0], kv[layer, 1], plan.prefix, plan.block, plan.keys,
+                        validate=layer == 0).to(x.dtype)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
 def write_kv(kv: Tensor, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
-    """kv[layer, 0 / 1, :, :, slots] = k / v ([B, Hkv, T, Dh]), one indexed write into the cache;
-    ``slots`` [T] (every sequence alike) or [B, T] (each its own: a batch's rows).
+    """kv[layer, 0 / 1, b, :, slots[b]] = k / v ([B, Hkv, T, Dh]) for every row b: one indexed
+    write into the cache (``slots`` [B, T], each row its own).
 
     Indexed on the whole cache, not on a per-layer view: a compiled forward (torch.compile) then
     writes the T new slots in place, where a write through a view of a graph input makes inductor
     copy the entire cache in every layer.
     """
     device = kv.device
-    if slots.dim() == 2:   # index tensors broadcast to [2, B, T]: the write is [2, B, T, Hkv, Dh]
-        rows = torch.arange(k.shape[0], device=device)[None, :, None]
-        at_layer = torch.full((1, 1, 1), layer, dtype=torch.long, device=device)
-        new = torch.stack([k, v]).to(kv.dtype).transpose(2, 3)
-        kv[at_layer, torch.arange(2, device=device)[:, None, None], rows, :, slots[None]] = new
-        return
-    which = torch.arange(2, device=device)[:, None]                      # K, V
-    at_layer = torch.full((1, 1), layer, dtype=torch.long, device=device)
-    new = torch.stack([k, v]).to(kv.dtype).permute(0, 3, 1, 2, 4)        # [2, T, B, Hkv, Dh]
-    kv[at_layer, which, :, :, slots[None]] = new
+    rows = torch.arange(k.shape[0], device=device)[None, :, None]      # index tensors broadcast to [2, B, T]
+    at_layer = torch.full((1, 1, 1), layer, dtype=torch.long, device=device)
+    new = torch.stack([k, v]).to(kv.dtype).transpose(2, 3)               # [2, B, T, Hkv, Dh]
+    kv[at_layer, torch.arange(2, device=device)[:, None, None], rows, :, slots[None]] = new
 
 
 class FeedForward(nn.Module):
@@ -243,71 +236,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, kv, layer, slots, mask):
-        x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer, slots, mask)
+    def forward(self, x, cos, sin, kv, layer, plan, attention):
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer, plan, attention)
         return x + self.feed_forward(self.ffn_norm(x))
-
-
-def causal_mask(start: int, T: int, device) -> Tensor:
-    """[T, start + T] bool: new token i sees every cached slot and new tokens 0..i."""
-    cols = torch.arange(start + T, device=device)
-    rows = torch.arange(T, device=device)[:, None] + start
-    return cols[None, :] <= rows
-
-
-def cache_visibility(cache_len: int, prefix: int | Tensor, block: Tensor) -> Tensor:
-    """[T, cache_len] bool over the whole static cache, from the split form (prefix, block): slots
-    [0, prefix) are visible to every row, slot prefix + j to row i iff ``block[i, j]``, and no
-    other slot. ``prefix`` may be a 0-d device tensor: the mask of a fixed-shape forward is then
-    built without the host knowing how long the context is."""
-    L = block.shape[1]
-    rel = torch.arange(cache_len, device=block.device) - prefix            # slot - prefix
-    in_block = (rel >= 0) & (rel < L)
-    return (rel < 0) | (in_block & block[:, rel.clamp(0, max(L - 1, 0))])
-
-
-@dataclass(frozen=True)
-class AttentionMask:
-    """One forward's mask, built once for all layers: cached keys [0, prefix_len) are visible to
-    every new token and ``block`` [T, L] says which of the next L keys each one sees (the form of
-    ``graft_tk.reference.tree_attention``; None = causal over the T new keys, never built as T x T);
-    ``kernel`` is the tree attention that runs it (Triton kernel or torch reference, one signature).
-    ``per_sequence`` [B, 1, T, S] instead gives every sequence of a batch its own full mask
-    (left-padded batches; SDPA).
-    """
-    prefix_len: int = 0
-    block: Tensor | None = None
-    kernel: Callable | None = None
-    per_sequence: Tensor | None = None
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, validate: bool = True) -> Tensor:
-        """q [B, Hq, T, D] over the cache's k, v [B, Hkv, S, D] -> [B, Hq, T, D]; ``validate``:
-        check the arguments (the first layer does; the others have the same shapes)."""
-        if self.per_sequence is not None:
-            S = self.per_sequence.shape[-1]
-            return F.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S], attn_mask=self.per_sequence,
-                                                  enable_gqa=True)
-        return self.kernel(q, k, v, self.prefix_len, self.block, validate=validate)
-
-
-def attention_mask(kernel: Callable | None, start: int, T: int, attn_mask: Tensor | None, mask_prefix: int | None,
-                   device) -> AttentionMask:
-    """The ``AttentionMask`` of a forward of T new tokens at ``start`` (see Transformer.forward)."""
-    prefix = mask_prefix or 0
-    if not 0 <= prefix <= start + T:
-        raise InputError(f"mask_prefix must be in [0, start + T = {start + T}], got {mask_prefix}")
-    expected = (T, start + T - prefix)
-    if attn_mask is not None and (attn_mask.dim() not in (2, 3) or tuple(attn_mask.shape[-2:]) != expected):
-        form = "[T, start + T]" if mask_prefix is None else "[T, start + T - mask_prefix]"
-        raise InputError(f"attn_mask must be {form} = [{T}, {start + T - prefix}], got {list(attn_mask.shape)}")
-    if attn_mask is not None and attn_mask.dim() == 3:  # one mask per sequence, e.g. left-padded batches
-        if kernel not in (None, reference_attention) or mask_prefix is not None:
-            raise InputError("a per-sequence attn_mask [B, T, S] runs on SDPA: pass no attention= and no mask_prefix")
-        return AttentionMask(per_sequence=attn_mask[:, None])  # [B, 1, T, S]: SDPA broadcasts over heads
-    kernel = kernel or reference_attention
-    if attn_mask is None:  # causal = every cached slot + lower-triangular over the new tokens (block None)
-        return AttentionMask(start, None, kernel)
-    return AttentionMask(prefix, attn_mask, kernel)
 
 
 class Transformer(nn.Module):
@@ -357,73 +288,48 @@ class Transformer(nn.Module):
         c = self.config
         ensure_cache(self, c.n_layers, batch_size, c.n_kv_heads, max_seq_len, c.head_dim, self.compute_weight)
 
-    def forward(self, tokens: Tensor, positions: Tensor, start: int, attn_mask: Tensor | None = None,
-                last_only: bool = False, mask_prefix: int | None = None,
+    def forward(self, tokens: Tensor, positions: Tensor, plan: AttentionPlan | int, logits_at: int | Tensor | None = None,
                 hidden_layers: tuple[int, ...] | None = None, attention: Callable | None = None
                 ) -> Tensor | tuple[Tensor, Tensor]:
         """Run new tokens against the cache and return logits (fp32).
 
-        tokens:      [B, T] int64 token ids, written to cache slots [start, start + T)
+        tokens:      [B, T] int64 token ids
         positions:   [B, T] or [T] int64 RoPE positions (prefix_len + depth for tree nodes)
-        attn_mask:   [T, start + T] bool, True = may attend; None = causal; [B, T, start + T]
-                     gives each sequence its own mask (torch backend), e.g. a left-padded batch
-        last_only:   return logits of the last token only ([B, 1, V]), e.g. after prefill
-        mask_prefix: split form of attn_mask: slots [0, mask_prefix) are visible to every new
-                     token and attn_mask is [T, start + T - mask_prefix] over the slots after
-                     them; e.g. tree verify: mask_prefix=start, attn_mask=tree.attn_mask().
-                     Same result; the Triton backend then reads no mask for the prefix keys.
+        plan:        where the new K/V go and what each token sees (``AttentionPlan``); an int
+                     ``start`` is the causal plan at slots start .. start + T - 1 (a prefill)
+        logits_at:   the one position per row whose logits to return ([B, 1, V]): an int (-1:
+                     the last, e.g. after a prefill) or [B] (each row its own: left-aligned rows
+                     of different lengths); None: every position
         hidden_layers: also return the residual stream after these decoder layers (0-based, in
                      this order), i.e. the target features an EAGLE-3 head fuses; the output of
                      layer i before the final norm (HF's ``output_hidden_states[i + 1]``, except
                      for the last layer, where HF's entry is after the norm).
         returns      [B, T, V] float32, or with hidden_layers (logits, hidden), hidden
                      [B, T, len(hidden_layers) * dim] in the model's dtype, every token even with
-                     last_only (a drafter reads the whole prompt's features after prefill)
+                     logits_at (a drafter reads the whole prompt's features after prefill)
         attention:   the tree attention to run (``ops.tree_attention``); None = the torch reference
         """
-        T = tokens.shape[1]
-        if self.kv is None or start + T > self.cache_len:
-            raise RuntimeError(f"KV cache holds {self.cache_len} slots; call setup_cache(>= {start + T})")
-        mask = attention_mask(attention, start, T, attn_mask, mask_prefix, tokens.device)
-        slots = torch.arange(start, start + T, device=tokens.device)
-        return self._layers(tokens, positions, slots, mask, last_only, hidden_layers)
-
-    def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, visible: Tensor,
-                       last_only: bool = False, hidden_layers: tuple[int, ...] | None = None,
-                       attention: Callable | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """The fixed-shape forward (gpt-fast's ``input_pos`` form), what ``torch.compile`` captures:
-        the new K/V go to cache ``slots`` [T] (int64, on the device; [B, T]: each sequence its
-        own, with a per-sequence ``visible``) and attention runs over all
-        S cache slots with ``visible`` [T, S] (``cache_visibility``), so no shape and no Python
-        value depends on the context length; ``visible`` [B, T, S] gives each sequence its own
-        (a batch of trees, each over its own row's prefix; SDPA). The caller guarantees slots < S. Other arguments
-        and the result as ``forward``."""
         B, T = tokens.shape
-        S = self.cache_len
-        if visible.dtype != torch.bool or tuple(visible.shape[-2:]) != (T, S) or visible.dim() not in (2, 3):
-            raise InputError(f"visible must be bool [T={T}, S={S}] or [B={B}, T, S], got {visible.dtype} "
-                             f"{list(visible.shape)}")
-        if visible.dim() == 3:   # one mask per sequence (a batch of trees over rows of the cache): SDPA
-            mask = AttentionMask(per_sequence=visible[:, None])
-        else:
-            mask = AttentionMask(0, visible, attention or reference_attention)
-        return self._layers(tokens, positions, slots, mask, last_only, hidden_layers)
-
-    def _layers(self, tokens, positions, slots, mask, last_only, hidden_layers):
+        if self.kv is None:
+            raise RuntimeError("the model has no KV cache; call setup_cache first")
+        if isinstance(plan, int):
+            if plan + T > self.cache_len:
+                raise RuntimeError(f"KV cache holds {self.cache_len} slots; call setup_cache(>= {plan + T})")
+            plan = AttentionPlan.causal(plan, B, T, tokens.device)
+        plan.check(B, T, self.cache_len)
         if positions.dim() == 1:
-            positions = positions[None].expand(tokens.shape[0], -1)
+            positions = positions[None].expand(B, -1)
         if hidden_layers is not None and not (hidden_layers and all(0 <= i < len(self.layers) for i in hidden_layers)):
             raise InputError(f"hidden_layers must be layer indices in [0, {len(self.layers)}), got {hidden_layers}")
+        attention = attention or reference_attention
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope.at(positions)
         taken: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, self.kv, i, slots, mask)
+            x = layer(x, cos, sin, self.kv, i, plan, attention)
             if hidden_layers is not None and i in hidden_layers:
                 taken[i] = x
-        if last_only:
-            x = x[:, -1:]
-        logits = self.logits(x)
+        logits = self.logits(select_positions(x, logits_at))
         if hidden_layers is None:
             return logits
         return logits, torch.cat([taken[i] for i in hidden_layers], dim=-1)
@@ -433,11 +339,11 @@ class Transformer(nn.Module):
         h = self.norm(x)
         return (F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)).float()
 
-    def commit_kv(self, src_slots: Tensor, dst_start: int) -> None:
-        """Move the KV at ``src_slots`` [n] (all layers) into slots [dst_start, dst_start + n).
 
-        Used after tree verification: the accepted path's nodes are scattered over the tree
-        block and must become a contiguous continuation of the prefix.
-        """
-        n = src_slots.shape[0]
-        self.kv[:, :, :, :, dst_start:dst_start + n] = self.kv[:, :, :, :, src_slots]
+def select_positions(x: Tensor, at: int | Tensor | None) -> Tensor:
+    """x [B, T, ...] -> x [B, 1, ...] at position ``at`` of every row (an int, or [B]); None: all."""
+    if at is None:
+        return x
+    if isinstance(at, int):
+        return x[:, at:at + 1] if at != -1 else x[:, -1:]
+    return x[torch.arange(x.shape[0], device=x.device), at][:, None]

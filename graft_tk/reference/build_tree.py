@@ -1,4 +1,4 @@
-"""Graft: merge retrieved candidates into the drafted tree, up to the verification budget N.
+"""Graft: merge the candidates of every source into the drafted tree, up to the verification budget N.
 
 Every candidate node (drafted, retrieved from the adjacency matrix, from prompt lookup) carries
 an estimate of log P(its whole path is accepted) (``graft_tk.acceptance``); the N - 1 places go
@@ -15,92 +15,17 @@ ties and the budget fills in index order: the drafted nodes, then the candidates
                       y  -> budget full (5 nodes): dropped
     result           tokens [r, a, b, c, x]  parents [-1, 0, 0, 0, 1]
 
-``build_tree`` is the whole step-2..6 pipeline as ONE op (the Triton kernel in
-``graft_tk.kernels.build_tree`` has the same signature): prune + rerank the drafter's candidate
-pool, build the drafted tree, graft every retrieval source, and emit fixed-shape tree tensors plus
-the bit-packed ancestor mask, so the device never waits for the host.
+``build_tree`` is the whole step-2..6 pipeline as ONE op over a batch of rows (the Triton kernel
+in ``graft_tk.kernels.build_tree`` has the same signature): prune + rerank each row's drafter
+pool, build the drafted tree, graft every candidate source, and emit fixed-shape tree tensors
+plus the bit-packed ancestor mask, so the device never waits for the host.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ..adjacency import RetrievalTemplate
-from ..tree import DRAFT, RETRIEVAL, ROOT, BuiltTree, Tree
-
-
-def freed_budget(n_drafted_nodes: int | Tensor, budget_n: int) -> int | Tensor:
-    """Budget left for retrieval: ``(budget_n - 1) - n_drafted_nodes``.
-
-    n_drafted_nodes counts the kept drafted nodes *excluding* the root (the root is always
-    verified and is not part of the drafter's choice). An int is checked; a tensor (the
-    engine's on-device count) is not, to avoid a host sync.
-    """
-    if isinstance(n_drafted_nodes, int) and not 0 <= n_drafted_nodes <= budget_n - 1:
-        raise ValueError(f"n_drafted_nodes must be in [0, budget_n - 1 = {budget_n - 1}], got {n_drafted_nodes}")
-    return (budget_n - 1) - n_drafted_nodes
-
-
-def graft_merge(draft: Tree, retrieved_tokens: Tensor, template: RetrievalTemplate, budget_n: int,
-                source: int = RETRIEVAL) -> Tree:
-    """Graft retrieved template nodes onto ``draft`` until the tree has ``budget_n`` nodes.
-
-    Parameters
-    ----------
-    draft : Tree
-        Root + the kept drafted nodes (parents before children), ``draft.n <= budget_n``.
-    retrieved_tokens : Tensor, int64 [T]
-        ``retrieve(adj, root, template)``: token of each template node, -1 = missing.
-    template : RetrievalTemplate
-        The T-node template ``retrieved_tokens`` was walked along (BFS order).
-    budget_n : int
-        Verification budget N (nodes in the tree, root included), >= 1.
-    source : int
-        Source code given to the new nodes (RETRIEVAL; PROMPT_LOOKUP for a prompt-lookup chain,
-        which is a template whose every node takes rank 0 under the previous one).
-
-    Returns
-    -------
-    Tree
-        The drafted nodes unchanged at indices ``0 .. draft.n - 1``, then the new retrieved
-        nodes (source ``source``, score -inf) in template order. Exactly
-        ``min(budget_n, distinct candidates)`` nodes, parents before children.
-
-    Notes
-    -----
-    Template nodes are visited in BFS order, so a template parent is resolved before its
-    children: a node is dropped when its token is -1 or its template parent was dropped; when
-    (tree parent, token) already exists (drafted, or added earlier) it maps onto that node at
-    no cost, so a retrieved chain continues beneath a drafted node; otherwise it becomes a new
-    node while the tree has fewer than ``budget_n`` nodes. This is the CPU reference: one
-    device-to-host copy of the inputs, then O(N + T) dict operations (T = 80 for the default
-    template) and one host-to-device copy of the result; the Triton kernel does it on device.
-    """
-    if not isinstance(budget_n, int) or budget_n < 1:
-        raise ValueError(f"budget_n must be an int >= 1, got {budget_n!r}")
-    if draft.n > budget_n:
-        raise ValueError(f"the drafted tree has {draft.n} nodes, more than budget_n = {budget_n}")
-    if retrieved_tokens.shape != (template.n,):
-        raise ValueError(f"retrieved_tokens must be [T={template.n}], got {list(retrieved_tokens.shape)}")
-
-    src = torch.full((template.n,), source, dtype=torch.int8, device=retrieved_tokens.device)
-    return graft_candidates(draft, retrieved_tokens, template.parents, src, budget_n)
-
-
-def graft_candidates(draft: Tree, cand_tokens: Tensor, cand_parents: Tensor, cand_source: Tensor,
-                     budget_n: int, draft_values: Tensor | None = None, cand_values: Tensor | None = None
-                     ) -> Tree:
-    """``graft_merge`` for candidates from any number of sources, concatenated, with the budget
-    going to the likeliest nodes.
-
-    cand_tokens int64 [C] (-1 = missing), cand_parents int [C] (-1 = child of the root, else an
-    earlier candidate index), cand_source int8 [C] (source code of each candidate's new node).
-    draft_values float32 [draft.n]: estimated log P(the drafted node's whole path is accepted);
-    cand_values float32 [C]: estimated log P(the candidate is accepted | its parent is); None = all
-    equal (0), which fills the budget in index order, drafted nodes first. See ``allocate`` for the
-    rule. Returns the merged tree (CPU reference: host loop).
-    """
-    return allocate(draft, cand_tokens, cand_parents, cand_source, budget_n, draft_values, cand_values)[0]
+from ..tree import DRAFT, ROOT, BuiltTree, Tree, pack_mask
 
 
 def allocate(draft: Tree, cand_tokens: Tensor, cand_parents: Tensor, cand_source: Tensor, budget_n: int,
@@ -229,81 +154,90 @@ def draft_as_tree(tokens: Tensor, parents: Tensor, scores: Tensor, depths: Tenso
     )
 
 
-def _pack_rows(mask: Tensor) -> Tensor:
-    """bool [N, N] -> int32 [N, ceil(N/32)], column j = bit j % 32 of word j // 32 (Tree.packed_mask)."""
-    n = mask.shape[0]
-    words = (n + 31) // 32
-    wide = torch.zeros(n, words * 32, dtype=torch.int64, device=mask.device)
-    wide[:, :n] = mask.long()
-    packed = (wide.view(n, words, 32) * 2 ** torch.arange(32, dtype=torch.int64, device=mask.device)).sum(-1)
-    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
-
-
 def build_tree(pool_tokens: Tensor, pool_parents: Tensor, pool_scores: Tensor, pool_depth: Tensor,
-               n_pool: int | Tensor, root_token: int | Tensor, log_tau: float,
-               cand_tokens: Tensor, cand_parents: Tensor, cand_source: Tensor, budget_n: int,
-               pool_values: Tensor | None = None, cand_values: Tensor | None = None) -> BuiltTree:
-    """Prune + rerank the drafter's pool, graft the candidates, give the budget to the likeliest
-    nodes, emit the tree tensors.
+               n_pool: Tensor, roots: Tensor, log_tau: Tensor, cand_tokens: Tensor, cand_parents: Tensor,
+               cand_source: Tensor, budget_n: int, pool_values: Tensor | None = None,
+               cand_values: Tensor | None = None) -> BuiltTree:
+    """Per row b: prune + rerank the drafter's pool, graft the candidates, give the budget to the
+    likeliest nodes, emit the tree tensors.
 
     Parameters
     ----------
-    pool_tokens : int64 [P]      drafted candidates in creation order (as ``drafting.expand`` builds them)
-    pool_parents : int64 [P]     -1 = child of the root, else an earlier pool index
-    pool_scores : float32 [P]    cumulative drafter log-prob
-    pool_depth : int [P]         depth of each entry (root children: 1)
-    n_pool : int or int 0-dim    only entries ``< n_pool`` are valid (P may be larger)
-    root_token : int64 0-dim     the last committed token
-    log_tau : float              keep pool entries scoring >= log_tau (-inf: keep all)
-    cand_tokens : int64 [C]      retrieval candidates, -1 = missing (e.g. prompt-lookup chain + template)
-    cand_parents : int32 [C]     -1 = child of the root, else an earlier candidate index
-    cand_source : int8 [C]       source code of each candidate (RETRIEVAL, PROMPT_LOOKUP)
-    budget_n : int               N, nodes in the tree including the root, >= 1
-    pool_values : float32 [P]    estimated log P(accepted) of each pool entry (None: all 0)
-    cand_values : float32 [C]    estimated log P(accepted | parent accepted) of each candidate (None: all 0)
+    pool_tokens : int64 [B, P]      drafted candidates in creation order (as ``drafting`` builds them)
+    pool_parents : int64 [B, P]     -1 = child of the root, else an earlier pool index
+    pool_scores : float32 [B, P]    cumulative drafter log-prob
+    pool_depth : int [B, P]         depth of each entry (root children: 1)
+    n_pool : int64 [B]              only entries ``< n_pool[b]`` are valid (P may be larger)
+    roots : int64 [B]               each row's last committed token
+    log_tau : float32 [B]           keep pool entries scoring >= log_tau (-inf: keep all)
+    cand_tokens : int64 [B, C]      grafted candidates, -1 = missing (e.g. prompt-lookup chain + template)
+    cand_parents : int32 [C]        -1 = child of the root, else an earlier candidate index (every row alike)
+    cand_source : int8 [C]          source code of each candidate (RETRIEVAL, PROMPT_LOOKUP)
+    budget_n : int                  N, nodes in each tree including the root, >= 1
+    pool_values : float32 [B, P]    estimated log P(accepted) of each pool entry (None: all 0)
+    cand_values : float32 [B, C]    estimated log P(accepted | parent accepted) of each candidate (None: all 0)
 
     Returns
     -------
-    BuiltTree of fixed shapes (see its docstring; ``.to_tree()`` slices to ``n_nodes``).
+    BuiltTree of fixed shapes, a leading batch dim on every field (see its docstring).
 
     Semantics: the pool entries scoring >= log_tau, the best N-1 by score (equal scores: lower
     pool index first), closed under parents, are the drafted candidates (``select_nodes``); they
     and the grafted candidates then compete for the N - 1 places by estimated acceptance
     (``allocate``). With no values given every node ties, so the drafted nodes are kept and the
-    candidates fill what is left in index order. CPU reference: host loops, syncs; the kernel does
-    the same on device in one launch.
+    candidates fill what is left in index order. CPU reference: host loops over the rows, syncs;
+    the kernel does the same on device in one launch.
     """
-    P = pool_tokens.shape[0]
+    B, P = pool_tokens.shape
+    C = cand_tokens.shape[-1]
     if not isinstance(budget_n, int) or budget_n < 1:
         raise ValueError(f"budget_n must be an int >= 1, got {budget_n!r}")
-    if pool_tokens.dim() != 1 or any(t.shape != (P,) for t in (pool_parents, pool_scores, pool_depth)):
-        raise ValueError(f"pool tensors must be 1-D of one length P={P}")
-    if pool_values is not None and pool_values.shape != (P,):
-        raise ValueError(f"pool_values must be [P={P}], got {list(pool_values.shape)}")
-    n = int(n_pool)
+    if pool_tokens.dim() != 2 or any(t.shape != (B, P) for t in (pool_parents, pool_scores, pool_depth)):
+        raise ValueError(f"pool tensors must be [B, P] of one shape, got {list(pool_tokens.shape)}")
+    if n_pool.shape != (B,) or roots.shape != (B,) or log_tau.shape != (B,):
+        raise ValueError(f"n_pool, roots and log_tau must be [B={B}]")
+    if cand_tokens.shape != (B, C) or cand_parents.shape != (C,) or cand_source.shape != (C,):
+        raise ValueError(f"cand_tokens must be [B={B}, C], cand_parents and cand_source [C={C}]")
+    if pool_values is not None and pool_values.shape != (B, P):
+        raise ValueError(f"pool_values must be [B={B}, P={P}], got {list(pool_values.shape)}")
+    if cand_values is not None and cand_values.shape != (B, C):
+        raise ValueError(f"cand_values must be [B={B}, C={C}], got {list(cand_values.shape)}")
+    n_host, tau_host = n_pool.tolist(), log_tau.tolist()
+    rows = [_build_row(pool_tokens[b], pool_parents[b], pool_scores[b], pool_depth[b], n_host[b], roots[b],
+                       tau_host[b], cand_tokens[b], cand_parents, cand_source, budget_n,
+                       None if pool_values is None else pool_values[b],
+                       None if cand_values is None else cand_values[b]) for b in range(B)]
+    return BuiltTree(*(torch.stack(field) for field in zip(*rows)))
+
+
+def _build_row(pool_tokens: Tensor, pool_parents: Tensor, pool_scores: Tensor, pool_depth: Tensor, n: int,
+               root: Tensor, log_tau: float, cand_tokens: Tensor, cand_parents: Tensor, cand_source: Tensor,
+               budget_n: int, pool_values: Tensor | None, cand_values: Tensor | None) -> BuiltTree:
+    """``build_tree`` of one row (unbatched fields)."""
+    P = pool_tokens.shape[0]
     if not 0 <= n <= P:
         raise ValueError(f"n_pool must be in [0, P={P}], got {n}")
     keep = select_nodes(pool_parents[:n], pool_scores[:n], budget_n - 1, log_tau)
-    draft = draft_as_tree(pool_tokens, pool_parents, pool_scores, pool_depth, keep, root_token)
+    draft = draft_as_tree(pool_tokens, pool_parents, pool_scores, pool_depth, keep, root)
     draft_values = None
     if pool_values is not None:
         draft_values = torch.cat([torch.zeros(1, device=pool_values.device), pool_values[keep].float()])
     tree, cand_node, kept_drafted, values = allocate(draft, cand_tokens, cand_parents, cand_source, budget_n,
-                                             draft_values, cand_values)
+                                                     draft_values, cand_values)
 
     N, m, dev = budget_n, tree.n, pool_tokens.device
 
     def pad(t: Tensor, value, dtype) -> Tensor:
         return torch.cat([t.to(dtype), torch.full((N - m,), value, dtype=dtype, device=dev)])
 
-    mask = torch.eye(N, dtype=torch.bool, device=dev)
+    mask = torch.eye(N, dtype=torch.bool, device=dev)      # padding rows hold only their own bit
     mask[:m, :m] = tree.attn_mask()
     # Kept drafted nodes come first after the root (union order); draft node i is pool entry keep[i - 1].
     pool_index = torch.full((N,), -1, dtype=torch.int64, device=dev)
     pool_index[1:1 + len(kept_drafted)] = keep[torch.tensor(kept_drafted, dtype=torch.long, device=dev) - 1]
     return BuiltTree(tokens=pad(tree.tokens, -1, torch.int64), parents=pad(tree.parents, -1, torch.int32),
                      depth=pad(tree.depth, 0, torch.int32), source=pad(tree.source, -1, torch.int8),
-                     scores=pad(tree.scores, float("-inf"), torch.float32), pool_index=pool_index,
-                     mask=_pack_rows(mask), n_nodes=torch.tensor(m, dtype=torch.int64, device=dev),
+                     scores=pad(tree.scores, float("-inf"), torch.float32), pool_index=pool_index, mask=pack_mask(mask),
+                     n_nodes=torch.tensor(m, dtype=torch.int64, device=dev),
                      cand_node=torch.tensor(cand_node, dtype=torch.int32, device=dev),
                      values=pad(torch.tensor(values, dtype=torch.float32, device=dev), float("-inf"), torch.float32))

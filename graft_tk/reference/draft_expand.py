@@ -71,37 +71,37 @@ def top_k_lowest_index(values: Tensor, k: int) -> Tensor:
     return torch.where(slot < n_above, ind, ties.gather(-1, (slot - n_above).clamp(min=0)))
 
 
-def draft_expand(frontier_scores: Tensor, logits: Tensor, top_k: int, log_tau: float
+def draft_expand(frontier_scores: Tensor, logits: Tensor, top_k: int, log_tau: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Expand a frontier of F nodes by one depth.
+    """Expand every row's frontier of F nodes by one depth.
 
     Parameters
     ----------
-    frontier_scores : float32 [F]   cumulative log-prob of each frontier node (0 for the root)
-    logits          : float [F, V]  drafter logits at each frontier node (computed in float32)
+    frontier_scores : float32 [B, F]   cumulative log-prob of each frontier node (0 for the root)
+    logits          : float [B, F, V]  drafter logits at each frontier node (computed in float32)
     top_k           : K, children per node and width of the next frontier, 1 <= K <= V
-    log_tau         : log of the pruning threshold (-inf: never prune)
+    log_tau         : float32 [B]      log of each row's pruning threshold (-inf: never prune)
 
     Returns
     -------
-    child_tokens  : int64 [F*K]   candidate tokens, frontier-major (node f's children at f*K..f*K+K-1),
-                                  each row's best first; equal logits -> lower token id first
-    child_parents : int64 [F*K]   index into the frontier of each child's parent
-    child_scores  : float32 [F*K] cumulative log-probs: frontier score + log_softmax(x)[token]
-    next_frontier : int64 [min(K, F*K)] indices into the children of the next frontier, best first;
-                                  equal scores -> lower child index first
-    stop          : bool []       True when every child scores below log_tau (nothing left to expand)
+    child_tokens  : int64 [B, F*K]   candidate tokens, frontier-major (node f's children at f*K..f*K+K-1),
+                                     each node's best first; equal logits -> lower token id first
+    child_parents : int64 [F*K]      index into the frontier of each child's parent (every row alike)
+    child_scores  : float32 [B, F*K] cumulative log-probs: frontier score + log_softmax(x)[token]
+    next_frontier : int64 [B, min(K, F*K)] indices into the children of the next frontier, best
+                                     first; equal scores -> lower child index first
+    stop          : bool [B]         True when every child of the row scores below its log_tau
     """
-    F, V = logits.shape
+    B, F, V = logits.shape
     if not 1 <= top_k <= V:
         raise ValueError(f"top_k must be in [1, V={V}], got {top_k}")
     x = logits.float()
-    child_tokens = top_k_lowest_index(x, top_k)                                # [F, K]
+    child_tokens = top_k_lowest_index(x, top_k)                                # [B, F, K]
     # ATen's CPU log_softmax computes (x - max) - log(sum(exp(x - max))), the kernel's formula;
-    # the full [F, V] output is cheaper than a separate max / exp-sum (one fused vectorised pass).
-    top_logp = torch.log_softmax(x, dim=-1).gather(1, child_tokens)           # [F, K]
-    child_scores = (frontier_scores.float()[:, None] + top_logp).reshape(-1)   # [F*K]
+    # the full [B, F, V] output is cheaper than a separate max / exp-sum (one fused vectorised pass).
+    top_logp = torch.log_softmax(x, dim=-1).gather(2, child_tokens)           # [B, F, K]
+    child_scores = (frontier_scores.float()[:, :, None] + top_logp).reshape(B, -1)   # [B, F*K]
     child_parents = torch.arange(F, device=logits.device).repeat_interleave(top_k)
-    next_frontier = top_k_lowest_index(child_scores, min(top_k, child_scores.shape[0]))
-    stop = child_scores.max() < log_tau   # torch rounds the Python float to float32, as the kernel does
-    return child_tokens.reshape(-1), child_parents, child_scores, next_frontier, stop
+    next_frontier = top_k_lowest_index(child_scores, min(top_k, child_scores.shape[1]))
+    stop = child_scores.max(-1).values < log_tau.float()
+    return child_tokens.reshape(B, -1), child_parents, child_scores, next_frontier, stop

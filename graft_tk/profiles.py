@@ -14,7 +14,7 @@ The file name finds the profile; the full key decides whether it may be used. A 
 weights hash or graft_tk version differs is *stale*, one that does not parse is *corrupt*: both
 are reported (a warning naming the file and the fix) and ignored, never used.
 
-This module must stay light: ``decode`` imports it, so no optuna, no matplotlib.
+The runtime reads profiles (``decode``, graft-serve's batch policy); ``graft-calibrate`` writes them.
 """
 from __future__ import annotations
 
@@ -30,13 +30,14 @@ from pathlib import Path
 
 import torch
 
-from graft_tk import __version__
-from graft_tk._fs import atomic_write_text, graft_home
-from graft_tk.config import METHODS, GraftConfig
-from graft_tk.errors import CorruptFileError, GraftError
-from graft_tk.models import Model
-from graft_tk.models.eagle3 import Eagle3Head
-from graft_tk.models.registry import STAMP, sha256_file
+from ._fs import atomic_write_text, graft_home
+from ._version import __version__
+from .config import GraftConfig
+from .errors import CorruptFileError, GraftError
+from .methods import METHODS
+from .models import Model
+from .models.eagle3 import Eagle3Head
+from .models.registry import STAMP, sha256_file
 
 FORMAT = "graft_tk.profile/2"   # /2: methods name their sources (graft, graft+pld, ...); no graft_with_pld
 

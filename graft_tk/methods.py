@@ -1,0 +1,70 @@
+"""Methods as data: which candidate sources a decode step draws on, and whether drafting prunes.
+
+A method is a frozen ``Method``; the names users type (``graft``, ``graft+pld``, ...) are entries
+of ``METHODS``. Every method verifies the same budget N per step, so they compare at equal cost.
+The sources (``graft_tk.sources``; the drafter is ``graft_tk.drafting``):
+
+    draft          the drafter's token tree (EAGLE-2 style expansion, top-K per depth)
+    adjacency      root-parallel retrieval from the token-successor matrix M (Token Recycling)
+    prompt_lookup  the tokens that followed the last n-gram's latest earlier occurrence
+
+Whenever a method has several sources, the budget goes to the candidates likeliest to be accepted
+(``graft_tk.acceptance`` estimates it online; ``build_tree`` allocates). ``prune``: drafting
+stops where every frontier node falls below tau, and drafted nodes below tau are cut (dynamic
+depth, the paper's "pruned" drafter); without it the drafter runs all D depths (EAGLE-2's tree).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import InputError
+
+SOURCES = ("draft", "adjacency", "prompt_lookup")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    sources: tuple[str, ...] = ()
+    prune: bool = False
+
+    def __post_init__(self):
+        unknown = [s for s in self.sources if s not in SOURCES]
+        if unknown:
+            raise InputError(f"method {self.name!r} names unknown sources {unknown}; known: {', '.join(SOURCES)}")
+        if self.prune and not self.drafts:
+            raise InputError(f"method {self.name!r} prunes but does not draft")
+
+    @property
+    def drafts(self) -> bool:
+        return "draft" in self.sources
+
+    @property
+    def speculates(self) -> bool:
+        """False for plain decoding: the step's tree is the root alone."""
+        return bool(self.sources)
+
+    def uses(self, source: str) -> bool:
+        return source in self.sources
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("ar"),                                                         # plain decoding
+    Method("tree", ("draft",)),                                           # drafter tree of fixed depth D
+    Method("pruned", ("draft",), prune=True),                             # dynamic depth; freed budget unused
+    Method("retrieval", ("adjacency",)),                                  # Token Recycling
+    Method("graft", ("draft", "adjacency"), prune=True),                  # the paper's hybrid
+    Method("pld", ("prompt_lookup",)),                                    # prompt lookup
+    Method("graft+pld", ("draft", "adjacency", "prompt_lookup"), prune=True),
+    Method("tree+pld", ("draft", "prompt_lookup")),
+    Method("retrieval+pld", ("adjacency", "prompt_lookup")),
+)}
+
+
+def method(name: str | Method) -> Method:
+    """The ``Method`` a name stands for (a Method passes through); InputError listing them if unknown."""
+    if isinstance(name, Method):
+        return name
+    if name not in METHODS:
+        raise InputError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    return METHODS[name]

@@ -1,0 +1,54 @@
+"""Candidate sources grafted into the drafter's tree: what each proposes, and how it learns.
+
+A ``CandidateSource`` proposes, for every row of the batch, a fixed layout of C candidates (their
+template ``parents`` never change: -1 = a child of the root, else an earlier candidate of the
+source) with tokens (-1: none this step) and estimated log P(accepted | parent accepted); after
+the verify it ``observe``s which of its nodes were accepted. The step concatenates the sources in
+``GRAFTED`` order (an earlier source's node wins a token two of them propose) and ``build_tree``
+grafts them all onto the drafted tree in one op. The drafter itself is the ``draft`` source
+(``graft_tk.drafting``): its pool is ranked by score before anything is grafted.
+
+A new source is a module here with a class following the protocol, added to ``GRAFTED``, and its
+name in the ``Method`` entries that use it (``graft_tk.methods``).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+from torch import Tensor
+
+from ..tree import BuiltTree
+
+
+class StepView(NamedTuple):
+    """What a source may read of the step, every row at once (all on the device)."""
+    roots: Tensor      # int64 [B]: each row's last committed token (the tree's root)
+    context: Tensor    # int64 [B, L]: each row's committed tokens, context[b, :length[b]]
+    length: Tensor     # int64 [B]
+
+
+class Candidates(NamedTuple):
+    tokens: Tensor             # int64 [B, C]: -1 = no candidate there this step
+    values: Tensor             # float32 [B, C]: log P(accepted | its parent accepted)
+    note: Tensor | None = None  # what ``observe`` needs back (prompt lookup: the matched n-gram length)
+
+
+class CandidateSource(Protocol):
+    name: str          # as methods name it (graft_tk.methods.SOURCES)
+    code: int          # the ``Tree.source`` code of the nodes it adds
+    parents: Tensor    # int32 [C]: template parent of each candidate
+
+    def propose(self, view: StepView) -> Candidates:
+        """This step's candidates for every row."""
+
+    def observe(self, built: BuiltTree, on_path: Tensor, nodes: Tensor, note: Tensor | None) -> None:
+        """Count the outcome: ``on_path`` bool [B, N] the accepted nodes, ``nodes`` int32 [B, C] the
+        tree node each candidate landed on (-1: not in the tree), ``note`` as proposed."""
+
+
+from .adjacency import AdjacencySource  # noqa: E402  (the protocol above is what they implement)
+from .prompt_lookup import PromptLookupSource  # noqa: E402
+
+GRAFTED = {"prompt_lookup": PromptLookupSource, "adjacency": AdjacencySource}
+
+__all__ = ["CandidateSource", "Candidates", "StepView", "GRAFTED", "AdjacencySource", "PromptLookupSource"]
