@@ -171,7 +171,7 @@ def expand(request: DraftRequest, root_logits: Tensor, catch_up: int, frontier_f
         p_scratch = (slots.gather(1, p.clamp(min=0)) - scratch0[:, None]).clamp(0, L - 1)
         block = anc.gather(1, p_scratch[:, :, None].expand(-1, -1, L)) & (p >= 0)[:, :, None]
         block[:, torch.arange(K, device=device), j] = True
-        anc[:, j] = block
+        anc.index_copy_(1, j, block)
         plan = AttentionPlan.explicit(torch.where(rows[:, None], scratch0[:, None] + j, trash_slot), scratch0, block,
                                       max(request.length) + L)
         positions = (root_slot + d - 1)[:, None].expand(-1, K)
@@ -211,6 +211,7 @@ class ModelDrafter(_CacheRows):
     def __init__(self, model: Model, compile: bool = False):
         self.model, self.net = model, model.net
         self.step = StepForward(model.net, compile, dynamic=True)   # its forwards change width
+        self._drafted = False    # this step drafted: its commit moves the accepted nodes' KV
         self._init_rows()
 
     def start(self, row: int, prompt: Tensor, features: Tensor | None, ops: Ops) -> None:
@@ -232,6 +233,7 @@ class ModelDrafter(_CacheRows):
         tokens = request.context.gather(1, at.clamp(max=request.context.shape[1] - 1)).masked_fill(~real, 0)
         plan = AttentionPlan(torch.where(real, at, self.trash_slot), start, None, max(kv_len) + T)
         last = (torch.tensor(pending, device=device) - 1).clamp(min=0)
+        self._drafted = True
         with self.net.cache_rows(0, B):
             root_logits = self.step(tokens, at.clamp(max=self.trash_slot), plan, logits_at=last,
                                     attention=ops.tree_attention)
@@ -248,14 +250,17 @@ class ModelDrafter(_CacheRows):
     def commit(self, path: Tensor, n_path: list[int], path_slots: list[list[int]], node_slots: Tensor,
                features: Tensor | None, ops: Ops) -> None:
         # Keep the KV of each row's longest drafted-and-run path prefix (the rest stays pending and
-        # runs in the next step's catch-up).
+        # runs in the next step's catch-up). One move for the batch whenever it drafted, rows with
+        # nothing to keep padded with moves of a slot onto itself (the step's launches never
+        # depend on what was accepted).
         keep = []
         for slots in path_slots:
             ran = [s >= 0 for s in slots[1:]] + [False]
             keep.append(ran.index(False))
-        if not any(keep):
+        drafted, self._drafted = self._drafted, False
+        if not drafted:
             return
-        B, width = len(keep), max(keep)
+        B, width = len(keep), max(max(keep), 1)
         device = path.device
         dst = torch.tensor(self.kv_len[:B], device=device)
         i = torch.arange(width, device=device)

@@ -43,16 +43,10 @@ class Engine:
         # The drafter (the ``draft`` source) behind the Drafter interface, and the grafted sources.
         self.drafter: Drafter | None = as_drafter(drafter, compile)
         self.draft_rates = DraftRates(config.priors, device)   # P(a drafted node is accepted) by its score
-        self.sources = [cls(config, self.ops, device, config.priors, vocab_size=target.config.vocab_size)
-                        for cls in GRAFTED.values()]
-        self.adjacency: AdjacencySource = next(s for s in self.sources if s.name == "adjacency")
-        # The grafted candidates' fixed layout: the sources' templates concatenated (parents shifted).
-        parents, codes, at = [], [], 0
-        for s in self.sources:
-            parents.append(torch.where(s.parents < 0, -1, s.parents + at))
-            codes.append(torch.full_like(s.parents, s.code, dtype=torch.int8))
-            at += s.parents.shape[0]
-        self.cand_parents, self.cand_source = torch.cat(parents).to(torch.int32), torch.cat(codes)
+        # The grafted sources, created as the first request that uses each arrives (``source``).
+        self.sources: list = []
+        self.cand_parents = torch.zeros(0, dtype=torch.int32, device=device)
+        self.cand_source = torch.zeros(0, dtype=torch.int8, device=device)
         # With the device's cost model: the drafting depth chosen per step by expected gain (one request).
         self.policy = StepPolicy(config.cost, config.top_k) if config.cost is not None else None
         self.draft_rates_host = host_read(self.draft_rates.rate()) if self.policy is not None else None
@@ -63,6 +57,29 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self.target.device
+
+    @property
+    def adjacency(self) -> AdjacencySource | None:
+        """The adjacency-matrix source (M and its rates), once a request has used it."""
+        return next((s for s in self.sources if s.name == "adjacency"), None)
+
+    def source(self, name: str):
+        """The grafted source ``name``, created on first use (with what it learns: M, its rates)."""
+        for s in self.sources:
+            if s.name == name:
+                return s
+        config = self.config
+        made = GRAFTED[name](config, self.ops, self.device, config.priors, vocab_size=self.target.config.vocab_size)
+        made.rates.decay = self.draft_rates.decay
+        self.sources = sorted(self.sources + [made], key=lambda s: list(GRAFTED).index(s.name))
+        # The grafted candidates' fixed layout: the sources' templates concatenated (parents shifted).
+        parents, codes, at = [], [], 0
+        for s in self.sources:
+            parents.append(torch.where(s.parents < 0, -1, s.parents + at))
+            codes.append(torch.full_like(s.parents, s.code, dtype=torch.int8))
+            at += s.parents.shape[0]
+        self.cand_parents, self.cand_source = torch.cat(parents).to(torch.int32), torch.cat(codes)
+        return made
 
     def check_request(self, ids: Sequence[int], method: Method, max_new_tokens: int) -> list[int]:
         """A request's token ids, checked (InputError naming the problem and the fix)."""
@@ -83,6 +100,9 @@ class Engine:
             raise InputError(f"method {method.name!r} needs a drafter: pass drafter=load_model(...) (a small model "
                              "with the same tokenizer, or the target's first layers via num_layers=L) or an EAGLE-3 "
                              "head (load_eagle3(path, target))")
+        for name in GRAFTED:
+            if method.uses(name):
+                self.source(name)
         return ids
 
     def generate(self, ids: Sequence[int], method: str | Method, max_new_tokens: int, sampling: Sampling = Sampling(),
@@ -100,9 +120,8 @@ class Engine:
         """The priors the rates support now (graft-calibrate runs with decay 1 to learn from a
         whole calibration run): drafted rates per score bucket, retrieval rates pooled by rank,
         prompt-lookup rates pooled over chain positions. Syncs."""
-        by_name = {s.name: s for s in self.sources}
-        retrieval, retrieval_w = by_name["adjacency"].learnt()
-        pld, pld_w = by_name["prompt_lookup"].learnt()
+        retrieval, retrieval_w = self.source("adjacency").learnt()
+        pld, pld_w = self.source("prompt_lookup").learnt()
 
         def probs(xs):
             return tuple(round(min(max(x, 1e-4), 1.0), 6) for x in xs)
@@ -120,10 +139,9 @@ class Engine:
 
     def estimates_summary(self) -> dict:
         """Host copy of the current estimates (for stats and reports; syncs)."""
-        by_name = {s.name: s for s in self.sources}
         return {"draft_by_score_bucket": [round(x, 4) for x in self.draft_rates.rate().tolist()],
-                "retrieval_by_position": by_name["adjacency"].summary(),
-                "pld_by_ngram": by_name["prompt_lookup"].summary()}
+                "retrieval_by_position": self.source("adjacency").summary(),
+                "pld_by_ngram": self.source("prompt_lookup").summary()}
 
     def log_acceptance(self, built: BuiltTree, on_path: torch.Tensor) -> None:
         """Append (source, depth, drafter score, accepted?) of every verified node (a host read)."""

@@ -173,8 +173,8 @@ def _propose(engine, rows: list[Request], context: Tensor, config: GraftConfig, 
         uses = torch.tensor([r.method.uses(source.name) for r in rows], device=device)[:, None]
         cand = source.propose(view)
         proposals.append((source, cand._replace(tokens=torch.where(uses, cand.tokens, -1))))
-    cand_tokens = torch.cat([c.tokens for _, c in proposals], 1)
-    cand_values = torch.cat([c.values for _, c in proposals], 1)
+    cand_tokens = torch.cat([torch.zeros(B, 0, dtype=torch.long, device=device)] + [c.tokens for _, c in proposals], 1)
+    cand_values = torch.cat([torch.zeros(B, 0, device=device)] + [c.values for _, c in proposals], 1)
     pool_values = engine.draft_rates.values(pool.scores) if pool.tokens.shape[1] else None
     built = ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, roots,
                            torch.tensor(log_tau, dtype=torch.float32, device=device), cand_tokens,
