@@ -16,12 +16,12 @@ import json
 import sys
 
 import graft_tk
-from graft_tk.bench import default_drafter, load_drafter
+from graft_tk.cli._models import default_drafter, load_drafter
 from graft_tk.config import GraftConfig
-from graft_tk.cost import measure_step_cost
+from graft_tk.calibration.cost import measure_step_cost
 from graft_tk.engine import Engine
-from graft_tk.plots import plot_trace
-from graft_tk.prompts import load_prompts
+from graft_tk.bench.plots import plot_trace
+from graft_tk.bench.prompts import load_prompts
 
 
 def main() -> None:

@@ -17,9 +17,9 @@ import sys
 import torch
 
 import graft_tk
-from graft_tk.anchors import HFAnchors
+from graft_tk.bench.anchors import HFAnchors
 from graft_tk.decode import encode_prompt
-from graft_tk.prompts import load_prompts
+from graft_tk.bench.prompts import load_prompts
 
 
 def main(argv=None) -> int:

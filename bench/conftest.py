@@ -6,7 +6,7 @@ recorded, never judged. Every benchmark records the device and versions in ``ext
 import pytest
 import torch
 
-from graft_tk.bench import machine_info
+from graft_tk.bench.compare import machine_info
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Everything a few minutes on a lent GPU should tell, in one run and one table.
 
-    python bench/gpu_check.py [--quick] [--json OUT.json]       # on a CUDA machine
-    python bench/gpu_check.py --dry-run                         # CPU: checks this script (interpreter)
+    python -m graft_tk.bench.gpu_check [--quick] [--json OUT.json]   # on a CUDA machine
+    python -m graft_tk.bench.gpu_check --dry-run                     # CPU: checks this script (interpreter)
 
 1. The kernel tests, compiled: ``pytest tests/test_kernel_*.py tests/test_backends.py
    tests/test_autotune.py bench/test_gpu_autotune.py`` with TRITON_INTERPRET unset, so every
@@ -19,9 +19,9 @@
    the time does not depend on the values), q = 1 and 16 new tokens after 100 and 3,000 cached.
 5. Decode steps, eager vs compiled: ``ar``, ``retrieval+pld`` and ``graft`` (a 4-layer drafter
    sharing the target's first layers) on the same Qwen-shaped random model in fp32 (a random
-   model falls into loops that retrieval and prompt lookup predict): tokens identical to ``ar``,
-   whether the greedy verify -> accept -> commit chain ran as a CUDA graph
-   (``graft_tk.verify_chain``), ms per step, ms per step outside the forwards, host syncs per step.
+   model falls into loops that retrieval and prompt lookup predict), one request and a batch of
+   four: tokens identical to ``ar``, ms per step, ms per step outside the forwards, host syncs
+   and kernel launches per step.
 
 Prints one markdown table; ``--json`` also writes the numbers with the machine's description.
 Exit code: 0 when tests pass and every op agrees, 1 otherwise, 2 when there is no CUDA device.
@@ -73,7 +73,7 @@ def agree(a, b) -> str:
     floats within tests/tolerances.KERNEL_TOL), tuples element by element, other inputs skipped."""
     import torch
 
-    from tolerances import KERNEL_TOL
+    from tests.tolerances import KERNEL_TOL   # run from a checkout: the tests are what it runs
     if not isinstance(a, (torch.Tensor, tuple, list)):
         return "equal"
     if isinstance(a, torch.Tensor):
@@ -94,7 +94,7 @@ def run_benchmarks(quick: bool, cuda: bool) -> list[dict]:
     import torch
 
     import graft_tk.kernels  # noqa: F401  (interpreter switch on CPU)
-    from cases import CASES, implementation
+    from graft_tk.bench.cases import CASES, implementation
     device = torch.device("cuda" if cuda else "cpu")
     rows = []
     for case in CASES:
@@ -152,7 +152,7 @@ def run_forwards(cuda: bool) -> list[dict]:
             row = {"q": q, "prefix": prefix}
             for kind in ("eager", "compiled"):
                 step = StepForward(net, compile=kind == "compiled")
-                tokens = torch.randint(1000 % cfg.vocab_size, (1, q), device=device)
+                tokens = torch.randint(cfg.vocab_size, (1, q), device=device)
                 positions = torch.arange(prefix, prefix + q, device=device)
                 t0 = time.perf_counter()
                 step(tokens, positions, prefix)                 # compiles when compiled
@@ -177,7 +177,7 @@ def run_decodes(cuda: bool) -> list[dict]:
 
     import torch
 
-    import graft_tk
+    from graft_tk.batch import decode_batch
     from graft_tk.config import GraftConfig
     from graft_tk.engine import Engine
     from graft_tk.models import Model
@@ -191,35 +191,38 @@ def run_decodes(cuda: bool) -> list[dict]:
     dnet = dnet.to(device).eval().requires_grad_(False)
     target = Model("random-qwen", None, cfg, _NoTokenizer(), net)
     drafter = Model("random-qwen-first-layers", None, dcfg, _NoTokenizer(), dnet)
-    prompt = torch.randint(cfg.vocab_size, (96,), generator=torch.Generator().manual_seed(1)).tolist()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(cfg.vocab_size, (n,), generator=g).tolist() for n in (96, 40, 150, 70)]
     rows, reference = [], {}
     with torch.inference_mode():
         for compile in (False, True):
             for method in ("ar", "retrieval+pld", "graft"):
-                def run():
-                    if method == "ar":   # the plain loop: one forward (a CUDA graph when compiled) per token
-                        r = graft_tk.decode(target, prompt, max_new_tokens=new_tokens, compile=compile)
-                        return r.tokens, r.stats
-                    engine = Engine(target, drafter if method == "graft" else None, GraftConfig(), compile=compile)
-                    return engine.generate(prompt, method, new_tokens, 0.0, 1.0, None, None)
-                t0 = time.perf_counter()
-                run()                            # compiles, captures
-                first_s = time.perf_counter() - t0
-                tokens, stats = run()
-                if method == "ar":
-                    reference[compile] = tokens
-                split, steps = stats.get("time_split"), max(stats["steps"], 1)
-                row = {"method": method, "compile": compile, "first_s": first_s,
-                       "identical_to_ar": tokens == reference[compile], "verify_chain": stats.get("verify_chain", "-"),
-                       "tokens_per_s": stats["tokens_per_s"], "mat": stats["mat"],
-                       "ms_per_step": 1000 * (stats["seconds"] - stats["prefill_seconds"]) / steps,
-                       "ms_outside_forwards": (1000 * (split["retrieve"] + split["commit"]) / steps
-                                               if split else None),
-                       "host_syncs_per_step": stats["host_syncs_per_step"]}
-                rows.append(row)
-                print(f"  {method:<14} compile={compile!s:<5} {row['tokens_per_s']:8.1f} tok/s  mat {row['mat']:.2f}  "
-                      f"{row['ms_per_step']:.2f} ms/step  chain {row['verify_chain']}  "
-                      f"identical {row['identical_to_ar']}", file=sys.stderr)
+                for batch in (1, 4):
+                    def run():
+                        engine = Engine(target, drafter if method == "graft" else None, GraftConfig(), compile=compile)
+                        return decode_batch(engine, prompts[:batch], method, batch, new_tokens)
+                    t0 = time.perf_counter()
+                    run()                            # compiles
+                    first_s = time.perf_counter() - t0
+                    results = run()
+                    tokens = [t for t, _ in results]
+                    if method == "ar":
+                        reference[compile, batch] = tokens
+                    stats = results[0][1]
+                    split, steps = stats.get("time_split"), max(stats["steps"], 1)
+                    row = {"method": method, "batch": batch, "compile": compile, "first_s": first_s,
+                           "identical_to_ar": tokens == reference[compile, batch],
+                           "tokens_per_s": sum(s["tokens"] for _, s in results) / max(s["seconds"] for _, s in results),
+                           "mat": stats["mat"],
+                           "ms_per_step": 1000 * (stats["seconds"] - stats["prefill_seconds"]) / steps,
+                           "ms_outside_forwards": (1000 * (split["retrieve"] + split["commit"]) / steps
+                                                   if split else None),
+                           "host_syncs_per_step": stats["host_syncs_per_step"],
+                           "launches_per_step": stats["kernel_launches_per_step"]}
+                    rows.append(row)
+                    print(f"  {method:<14} B={batch} compile={compile!s:<5} {row['tokens_per_s']:8.1f} tok/s  "
+                          f"mat {row['mat']:.2f}  {row['ms_per_step']:.2f} ms/step  "
+                          f"identical {row['identical_to_ar']}", file=sys.stderr)
     return rows
 
 
@@ -228,11 +231,12 @@ def _ms(x: float | None) -> str:
 
 
 def decode_table(rows: list[dict]) -> str:
-    lines = ["| method | compile | tok/s | tokens/step | ms/step | ms outside forwards | host syncs/step | chain | "
-             "same as ar | first call s |", "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['method']} | {'on' if r['compile'] else 'off'} | {r['tokens_per_s']:.1f} | {r['mat']:.2f} | "
-              f"{r['ms_per_step']:.2f} | {_ms(r['ms_outside_forwards'])} | {r['host_syncs_per_step']:.2f} | "
-              f"{r['verify_chain']} | {'yes' if r['identical_to_ar'] else 'NO'} | {r['first_s']:.0f} |" for r in rows]
+    lines = ["| method | B | compile | tok/s (all rows) | tokens/step | ms/step | ms outside forwards | host syncs/step | "
+             "launches/step | same as ar | first call s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['method']} | {r['batch']} | {'on' if r['compile'] else 'off'} | {r['tokens_per_s']:.1f} | "
+              f"{r['mat']:.2f} | {r['ms_per_step']:.2f} | {_ms(r['ms_outside_forwards'])} | "
+              f"{r['host_syncs_per_step']:.2f} | {_ms(r['launches_per_step'])} | "
+              f"{'yes' if r['identical_to_ar'] else 'NO'} | {r['first_s']:.0f} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -271,6 +275,7 @@ def run_attention(cuda: bool) -> list[dict]:
                     tree = torch.ones(T, T, dtype=torch.bool, device=device).tril()
                     tree[1::2, 0] = False                            # not a chain: a branchy mask
                     dense = torch.cat([torch.ones(T, prefix, dtype=torch.bool, device=device), tree], dim=1)
+                    keys, tree, start = prefix + T, tree[None], torch.tensor([prefix], device=device)
                     row = {"layout": name, "prefix": prefix, "T": T}
                     heuristic = kernel.block_sizes(hq // hkv * T, d, dtype)
                     programs = -(-hq // hkv * T // heuristic["BLOCK_M"]) * hkv
@@ -279,21 +284,24 @@ def run_attention(cuda: bool) -> list[dict]:
                     row["splits"] = heuristic["KV_SPLITS"]
                     out = torch.empty_like(q)
                     scale = 1.0 / d ** 0.5
-                    row["triton_ms"] = median_ms(lambda: kernel._launch(q, k, v, prefix, tree, scale, out, heuristic), cuda)
+                    row["triton_ms"] = median_ms(lambda: kernel._launch(q, k, v, start, tree, keys, scale, out, heuristic),
+                                                 cuda)
                     one = {**heuristic, "KV_SPLITS": 1}
-                    row["one_split_ms"] = median_ms(lambda: kernel._launch(q, k, v, prefix, tree, scale, out, one), cuda)
+                    row["one_split_ms"] = median_ms(lambda: kernel._launch(q, k, v, start, tree, keys, scale, out, one),
+                                                    cuda)
                     row["sdpa_ms"] = median_ms(lambda: F.scaled_dot_product_attention(
                         q, k, v, attn_mask=dense, enable_gqa=True), cuda)
                     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=dense,
-                                                          enable_gqa=True) if cuda else reference(q, k, v, prefix, tree)
-                    kernel._launch(q, k, v, prefix, tree, scale, out, heuristic)
+                                                          enable_gqa=True) if cuda else reference(q, k, v, start, tree, keys)
+                    kernel._launch(q, k, v, start, tree, keys, scale, out, heuristic)
                     row["agree"] = agree(out, want.to(dtype))
                     if cuda and not interpreted() and (name, T, prefix) in TUNED_SHAPES:
                         bucket = kernel.shape_bucket(hq // hkv * T, d, prefix + T, dtype)
                         tuner.tune(tunable.TUNABLE, bucket)
                         tuned = select("tree_attention", bucket, heuristic, device)
                         row["tuned"] = tuned
-                        row["tuned_ms"] = median_ms(lambda: kernel._launch(q, k, v, prefix, tree, scale, out, tuned), cuda)
+                        row["tuned_ms"] = median_ms(lambda: kernel._launch(q, k, v, start, tree, keys, scale, out, tuned),
+                                                    cuda)
                     rows.append(row)
                     print(f"  attention {name:<13} prefix={prefix:<6} T={T:<3} triton {row['triton_ms']:8.3f} ms "
                           f"({row['splits']} splits; one split {row['one_split_ms']:8.3f})  sdpa {row['sdpa_ms']:8.3f} ms"
@@ -332,7 +340,7 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="no CUDA: run in the interpreter on CPU to check the script")
     p.add_argument("--json", default=None, metavar="OUT")
     args = p.parse_args(argv)
-    sys.path[:0] = [str(HERE), str(ROOT / "tests")]
+    sys.path[:0] = [str(ROOT)]     # the tests' helpers (tests/) for the kernel tests
     import torch
 
     import graft_tk  # noqa: F401  (before anything imports triton: the interpreter switch on CPU)
@@ -341,7 +349,7 @@ def main(argv=None) -> int:
         print("gpu_check: no CUDA device here; run it on a GPU machine (or --dry-run to check the script on CPU)",
               file=sys.stderr)
         return 2
-    from graft_tk.bench import machine_info
+    from graft_tk.bench.compare import machine_info
     info = machine_info()
     print(f"gpu_check on {info['gpu'] or 'CPU (dry run, interpreter)'}; torch {info['torch']}, triton {info['triton']}",
           file=sys.stderr)

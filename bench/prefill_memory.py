@@ -22,7 +22,7 @@ import time
 import torch
 
 import graft_tk
-from graft_tk.prompts import load_prompts
+from graft_tk.bench.prompts import load_prompts
 
 
 def rss_mb() -> float:

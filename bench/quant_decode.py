@@ -22,7 +22,7 @@ import torch
 
 import graft_tk
 from graft_tk.decode import encode_prompt
-from graft_tk.prompts import load_prompts
+from graft_tk.bench.prompts import load_prompts
 
 
 def read_bandwidth_gbs(gib: float = 2.0, repeats: int = 5) -> float:

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 import graft_tk
 from graft_tk._fs import atomic_write_text
 from graft_tk.decode import encode_prompt
-from graft_tk.prompts import HUMANEVAL_INSTRUCTION, humaneval_problems
+from graft_tk.bench.prompts import HUMANEVAL_INSTRUCTION, humaneval_problems
 
 from quant_decode import agreement
 

@@ -31,11 +31,11 @@ import time
 
 import graft_tk
 from graft_tk._fs import atomic_write_text
-from graft_tk.bench import default_drafter, load_drafter
+from graft_tk.cli._models import default_drafter, load_drafter
 from graft_tk.profiles import batch_policy
-from graft_tk.config import USES_DRAFTER
+from graft_tk.methods import METHODS
 from graft_tk.decode import encode_prompt, resolve_config
-from graft_tk.prompts import load_prompts
+from graft_tk.bench.prompts import load_prompts
 from graft_tk.server.app import serving_in_thread
 from graft_tk.server.metrics import Metrics
 from graft_tk.server.scheduler import Scheduler
@@ -124,19 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     methods, batches = args.methods.split(","), [int(b) for b in args.batches.split(",")]
     target = graft_tk.load_model(args.model, dtype=args.dtype)
     spec = args.drafter or default_drafter(args.model)
-    needs = any(m in USES_DRAFTER for m in methods)
+    needs = any(METHODS[m].drafts for m in methods)
     drafter = load_drafter(spec, target, args.model, dtype=args.dtype) if needs else None
     texts = []
     for part in args.prompts.split(","):
         name, _, n = part.partition("#")
         texts += [q.text for q in load_prompts(name)[:int(n) if n else None]]
     for method in methods:   # untimed: the first forwards of each shape in a process are slow
-        d = drafter if method in USES_DRAFTER else None
+        d = drafter if METHODS[method].drafts else None
         graft_tk.decode(target, encode_prompt(target, texts[0], chat=True), drafter=d, method=method,
                         max_new_tokens=8)
     def server(method: str, B: int) -> tuple[Scheduler, str]:
-        d = drafter if method in USES_DRAFTER else None
-        config, source = resolve_config(target, d, method, None, None)
+        d = drafter if METHODS[method].drafts else None
+        config, source = resolve_config(target, d, METHODS[method], None, None)
         policy = batch_policy(target, d, B) if method != "ar" else {}
         if policy:
             source += "; by batch size " + ", ".join(f"{b}: N={c.budget} tau={c.tau:.3g} D={c.max_depth}"
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.requests_per_cell):
             ids = encode_prompt(target, texts[i % len(texts)], chat=True)
             for method in (methods if i % 2 == 0 else methods[::-1]):
-                d = drafter if method in USES_DRAFTER else None
+                d = drafter if METHODS[method].drafts else None
                 t = time.perf_counter()
                 tokens[method] += len(graft_tk.decode(target, ids, drafter=d, method=method,
                                                       max_new_tokens=args.max_tokens).tokens)

@@ -14,7 +14,7 @@ import graft_tk
 from graft_tk.config import METHODS
 from graft_tk.decode import encode_prompt
 from graft_tk.engine import Engine
-from graft_tk.prompts import load_prompts
+from graft_tk.bench.prompts import load_prompts
 
 TOKENS = 8
 DTYPE = os.environ.get("GRAFT_TK_BENCH_DTYPE", "bf16")

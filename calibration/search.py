@@ -24,19 +24,22 @@ from typing import Callable
 
 import optuna
 
-from graft_tk._version import __version__
 from graft_tk._fs import graft_home
+from graft_tk._version import __version__
 from graft_tk.acceptance import AcceptancePriors
-from graft_tk.config import USES_DRAFTER, USES_RETRIEVAL, GraftConfig
-from graft_tk.bench import cold_decode
+from graft_tk.batch import decode_batch
+from graft_tk.bench.compare import cold_decode
+from graft_tk.bench.prompts import Prompt
+from graft_tk.config import GraftConfig
 from graft_tk.decode import decode, encode_prompt
 from graft_tk.engine import Engine
 from graft_tk.errors import InputError
+from graft_tk.methods import METHODS
 from graft_tk.models import Model
 from graft_tk.models.eagle3 import Eagle3Head
-from graft_tk.prompts import Prompt
-
 from graft_tk.profiles import profile_key
+from graft_tk.sampling import Sampling
+
 from .warm_start import TAU_RANGE, WarmStart, suggest_tau
 
 WARMUP_TOKENS = 8
@@ -130,8 +133,8 @@ class Task:
             raise InputError(f"--repeats must be >= 1, got {self.repeats}")
         if self.batch < 1 or (self.batch > 1 and self.compile):
             raise InputError(f"--batch must be >= 1 and runs eagerly (no --compile), got {self.batch}")
-        if self.drafter is None and any(m in USES_DRAFTER for m in self.methods):
-            raise InputError(f"method(s) {', '.join(m for m in self.methods if m in USES_DRAFTER)} need a drafter; "
+        if self.drafter is None and any(METHODS[m].drafts for m in self.methods):
+            raise InputError(f"method(s) {', '.join(m for m in self.methods if METHODS[m].drafts)} need a drafter; "
                              "pass --drafter NAME or self:L, or --methods retrieval,pld with --drafter none")
 
     def settings(self) -> dict:
@@ -247,12 +250,11 @@ def run_batch(task: Task, method: str, config: GraftConfig | None, encoded: list
     """The prompts decoded ``task.batch`` at a time with one cold Engine, cycled to twice the
     batch size so that the batch stays full: (each prompt's first output, the run's output
     tokens/s, every request's stats)."""
-    from graft_tk.batch import decode_batch
-    engine = Engine(task.target, task.drafter if method in USES_DRAFTER else None, config or GraftConfig())
+    engine = Engine(task.target, task.drafter if METHODS[method].drafts else None, config or GraftConfig())
     requests = [encoded[i % len(encoded)] for i in range(max(len(encoded), 2 * task.batch))]
     t = time.perf_counter()
-    results = decode_batch(engine, requests, method, task.batch, task.max_new_tokens, task.temperature,
-                           task.top_p, task.seed)
+    results = decode_batch(engine, requests, method, task.batch, task.max_new_tokens,
+                           Sampling(task.temperature, task.top_p, task.seed))
     seconds = time.perf_counter() - t
     tokens = sum(len(out) for out, _ in results)
     return [out for out, _ in results[:len(encoded)]], tokens / seconds, [stats for _, stats in results]
@@ -285,16 +287,16 @@ def learn_priors(target: Model, drafter: Model | Eagle3Head | None, method: str,
     """The pair's acceptance priors: one engine decodes ``prompts`` with ``config`` fixed (without
     its cost model: full trees at the budget, so every source and score bucket gets tried, where
     the adaptive policy may never try one), counting every step undecayed, and returns what the
-    counts support (``AcceptanceEstimates.learnt``)."""
+    counts support (``Engine.learnt_priors``)."""
     config = dataclasses.replace(config, cost=None)
-    engine = Engine(target, drafter if method in USES_DRAFTER else None, config, compile=compile)
-    engine.estimates.decay = 1.0
+    engine = Engine(target, drafter if METHODS[method].drafts else None, config, compile=compile)
+    engine.set_decay(1.0)
     for i, prompt in enumerate(prompts):
         if progress:
             progress(f"acceptance priors: prompt {i + 1}/{len(prompts)} ({prompt.id})")
-        decode(target, encode_prompt(target, prompt.text, chat=True), method=method, drafter=engine.drafter,
-               engine=engine, max_new_tokens=max_new_tokens)
-    return engine.estimates.learnt()
+        decode(target, encode_prompt(target, prompt.text, chat=True), method=method, engine=engine,
+               max_new_tokens=max_new_tokens)
+    return engine.learnt_priors()
 
 
 def warm_start(task: Task, encoded: list[list[int]], n_prompts: int = 2) -> WarmStart:
@@ -302,14 +304,13 @@ def warm_start(task: Task, encoded: list[list[int]], n_prompts: int = 2) -> Warm
     log: list = []
     base = GraftConfig()
     for method in ("tree", "retrieval"):
-        if method in USES_DRAFTER and task.drafter is None:
+        if METHODS[method].drafts and task.drafter is None:
             continue
         for ids in encoded[:n_prompts]:
-            engine = Engine(task.target, task.drafter if method in USES_DRAFTER else None, base,
+            engine = Engine(task.target, task.drafter if METHODS[method].drafts else None, base,
                             compile=task.compile)
             engine.acceptance_log = log
-            decode(task.target, ids, method=method, drafter=task.drafter, engine=engine,
-                   max_new_tokens=task.max_new_tokens)
+            decode(task.target, ids, method=method, engine=engine, max_new_tokens=task.max_new_tokens)
     return suggest_tau(log, base.tau)
 
 
@@ -341,11 +342,11 @@ def calibrate(task: Task, study: optuna.Study, n_trials: int, timeout: float | N
             off = dataclasses.replace(task.base or GraftConfig(), budget=1, max_depth=1)
             study.enqueue_trial(params_of(default_method, off, task.methods, batched),
                                 user_attrs={"origin": "speculation off"})
-            if any(m in USES_DRAFTER for m in task.methods):   # D = 0: retrieval (and lookup) only, a small tree
+            if any(METHODS[m].drafts for m in task.methods):   # D = 0: retrieval (and lookup) only, a small tree
                 cheap = dataclasses.replace(task.base or GraftConfig(), budget=4, max_depth=0)
                 study.enqueue_trial(params_of(default_method, cheap, task.methods, batched),
                                     user_attrs={"origin": "drafting off"})
-        grafts = any(m in USES_DRAFTER for m in task.methods) and any(m in USES_RETRIEVAL for m in task.methods)
+        grafts = any(METHODS[m].drafts for m in task.methods) and any(METHODS[m].uses("adjacency") for m in task.methods)
         if grafts and not batched:
             warm = warm_start(task, encoded)
             log(warm.describe())

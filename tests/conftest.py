@@ -6,7 +6,7 @@ import torch
 
 import graft_tk
 from graft_tk.models import registry
-from graft_tk.prompts import load_prompts, spec_bench_path
+from graft_tk.bench.prompts import load_prompts, spec_bench_path
 
 # CI sets this: data that a user's clone may lack must be there, so a test never skips silently.
 REQUIRE_DATA = os.environ.get("GRAFT_TK_REQUIRE_DATA") == "1"

@@ -13,7 +13,7 @@ from graft_tk.config import GraftConfig
 from graft_tk.decode import encode_prompt
 from graft_tk.engine import Engine
 from graft_tk.errors import InputError
-from graft_tk.prompts import load_prompts
+from graft_tk.bench.prompts import load_prompts
 
 from .chi2 import chi2, chi2_critical
 from .test_engine import N_SAMPLES, SAMPLING_CONFIG, tiny_pair  # noqa: F401 - tiny_pair is a fixture

@@ -135,7 +135,7 @@ def test_summary_pools_counts_and_marks_mismatches(tmp_path):
     assert "10/20/10/50/10" in table                             # time split, percent of the run
     assert "n.a. (sampling)" in bench.markdown_table(bench.summarize(
         [{**r, "exact": None} for r in rows]), temperature=0.7)
-    from graft_tk.plots import plot_summary
+    from graft_tk.bench.plots import plot_summary
     plot_summary(summary, tmp_path / "s.png")                    # anchors without MAT, two categories
     assert (tmp_path / "s.png").read_bytes()[:8] == PNG_MAGIC
 
@@ -143,7 +143,7 @@ def test_summary_pools_counts_and_marks_mismatches(tmp_path):
 def test_compile_both_runs_every_method_eager_and_compiled(smollm2, monkeypatch):
     from graft_tk.config import GraftConfig
     from graft_tk.errors import InputError
-    from graft_tk.prompts import Prompt
+    from graft_tk.bench.prompts import Prompt
     prompts = [Prompt("hi", "chat", "Say hi.")]
     plan = bench.Plan(smollm2, None, GraftConfig(), ("ar", "retrieval"), prompts, 4, compile="both")
     assert plan.run_names == ("ar", "retrieval", "ar:compiled", "retrieval:compiled")
@@ -173,7 +173,7 @@ def test_compile_both_runs_every_method_eager_and_compiled(smollm2, monkeypatch)
 
 
 def test_prompt_sources_mix_and_mt_bench_round_robin():
-    from graft_tk.prompts import load_prompts, spec_bench_path
+    from graft_tk.bench.prompts import load_prompts, spec_bench_path
     assert [p.category for p in load_prompts("math#2,humaneval#1")] == ["math", "math", "humaneval"]
     if spec_bench_path() is None and os.environ.get("GRAFT_TK_REQUIRE_DATA") != "1":
         pytest.skip("Spec-Bench's question.jsonl not found (GRAFT_TK_SPEC_BENCH)")

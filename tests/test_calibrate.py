@@ -13,7 +13,7 @@ from graft_tk.calibration.warm_start import isotonic_increasing, suggest_tau
 from graft_tk.cli import calibrate as cli
 from graft_tk.config import GraftConfig
 from graft_tk.errors import CorruptFileError
-from graft_tk.prompts import Prompt
+from graft_tk.bench.prompts import Prompt
 from graft_tk.tree import DRAFT, RETRIEVAL
 
 PROMPTS = ["Write a Python function that returns the square of a number.",

@@ -21,7 +21,7 @@ from graft_tk.errors import InputError
 from graft_tk.methods import METHODS
 from graft_tk.models import Model
 from graft_tk.models.transformer import ModelConfig, Transformer
-from graft_tk.prompts import load_prompts
+from graft_tk.bench.prompts import load_prompts
 from graft_tk.sampling import Sampling, target_probs
 
 from .chi2 import chi2, chi2_critical

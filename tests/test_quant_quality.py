@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from graft_tk.prompts import humaneval_problems
+from graft_tk.bench.prompts import humaneval_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 

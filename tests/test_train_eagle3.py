@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import graft_tk
-from graft_tk.bench import load_drafter
+from graft_tk.cli._models import load_drafter
 from graft_tk.profiles import find_profile, profile_key, weights_fingerprint, write_profile
 from graft_tk.cli import train_eagle3 as cli
 from graft_tk.config import GraftConfig

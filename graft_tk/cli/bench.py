@@ -21,14 +21,15 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .. import bench
-from .. import config as config_mod
-from ..anchors import ANCHOR_NAMES, make_anchors, parse_anchors
+from ..bench import compare as bench
+from ..bench.anchors import ANCHOR_NAMES, make_anchors, parse_anchors
+from ..bench.prompts import load_prompts
 from ..config import GraftConfig
 from ..errors import GraftError, InputError
+from ..methods import METHODS
 from ..models import load_model
-from ..prompts import load_prompts
 from ..sampling import check_sampling_args
+from ._models import add_quant_args, drafter_quant, drafter_spec, gguf_source, load_drafter
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the first K prompts of each category (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default bf16; fp32 to judge exactness)")
-    bench.add_quant_args(p)
+    add_quant_args(p)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; exactness is checked)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus cut when sampling (default: %(default)s)")
@@ -131,9 +132,9 @@ def _run(args) -> dict:
     named_configs = _named_configs(args.config)
 
     target = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
-    spec = bench.drafter_spec(args)
-    needs_drafter = any(m in config_mod.USES_DRAFTER for m in methods) or "hf_assisted" in anchors
-    drafter = (bench.load_drafter(spec, target, args.model, args.dtype, args.device, bench.drafter_quant(args))
+    spec = drafter_spec(args)
+    needs_drafter = any(METHODS[m].drafts for m in methods) or "hf_assisted" in anchors
+    drafter = (load_drafter(spec, target, args.model, args.dtype, args.device, drafter_quant(args))
                if needs_drafter else None)
     if args.profile:
         from ..profiles import find_profile
@@ -145,14 +146,14 @@ def _run(args) -> dict:
         config = dataclasses.replace(profile.config, **overrides)
         print(f"config from {profile.path}", file=sys.stderr)
     if args.adaptive != "off" and config.cost is None:
-        from ..cost import measure_step_cost
+        from ..calibration.cost import measure_step_cost
         print("measuring the device's cost model (graft-calibrate --cost-only stores it in the profile) ...",
               file=sys.stderr)
         cost = measure_step_cost(target, drafter, config, compile=args.compile == "on",
                                  progress=lambda msg: print("  " + msg, file=sys.stderr))
         config = dataclasses.replace(config, cost=cost)
     plan = bench.Plan(target, drafter, config, methods, prompts, args.max_new_tokens, args.temperature,
-                      args.seed, args.repeats, make_anchors(target, drafter, anchors, bench.gguf_source(args.model)),
+                      args.seed, args.repeats, make_anchors(target, drafter, anchors, gguf_source(args.model)),
                       top_p=args.top_p, compile=args.compile, adaptive=args.adaptive, configs=named_configs)
 
     total = len(prompts) * len(plan.run_names) * args.repeats
@@ -169,7 +170,7 @@ def _run(args) -> dict:
     if args.json:
         bench.write_json(args.json, report)
     if args.plot:
-        from ..plots import plot_summary  # matplotlib only when a picture is asked for
+        from ..bench.plots import plot_summary  # matplotlib only when a picture is asked for
         plot_summary(report["summary"], args.plot,
                      title=f"{target.name} + {drafter.name if drafter else 'no drafter'}, "
                            f"{report['config']['dtype']}, {len(prompts)} prompts x {args.max_new_tokens} tokens")

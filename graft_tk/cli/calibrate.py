@@ -28,12 +28,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..bench import add_quant_args, drafter_quant, drafter_spec, load_drafter
-from ..config import METHODS, USES_DRAFTER, GraftConfig
+from ..bench.prompts import Prompt, load_prompts, spec_bench_path
+from ..config import GraftConfig
 from ..errors import CorruptFileError, GraftError, InputError
+from ..methods import METHODS
 from ..models import load_model
-from ..prompts import Prompt, load_prompts, spec_bench_path
 from ..sampling import check_sampling_args
+from ._models import add_quant_args, drafter_quant, drafter_spec, load_drafter
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args) -> int:
     from ..calibration import report, search
     from ..profiles import profile_key, write_profile
-    from ..cost import measure_step_cost
+    from ..calibration.cost import measure_step_cost
 
     methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     bad = [m for m in methods if m not in METHODS or m == "ar"]
@@ -116,7 +117,7 @@ def run(args) -> int:
         raise InputError("--n-prompts must be >= 1 and --validate >= 0")
     target = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     spec = drafter_spec(args)
-    if spec is None and any(m in USES_DRAFTER for m in methods):
+    if spec is None and any(METHODS[m].drafts for m in methods):
         raise InputError(f"no known drafter pairs with {args.model}: pass --drafter NAME (same tokenizer), "
                          "--drafter self:L, --eagle3 PATH, or --drafter none --methods retrieval,pld")
     drafter = load_drafter(spec, target, args.model, dtype=args.dtype, device=args.device,
@@ -204,7 +205,7 @@ def run_cost_only(args, target, drafter) -> int:
     learn the acceptance priors with it on --n-prompts tuning prompts."""
     from ..profiles import find_profile, profile_key, write_profile
     from ..calibration.search import learn_priors
-    from ..cost import measure_step_cost
+    from ..calibration.cost import measure_step_cost
 
     directory = Path(args.profile_dir) if args.profile_dir else None
     profile = find_profile(target, drafter, directory)

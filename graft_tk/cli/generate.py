@@ -10,8 +10,9 @@ import json
 import logging
 import sys
 
-from ..bench import add_quant_args, default_drafter, drafter_quant, load_drafter
-from ..config import METHODS, USES_DRAFTER, GraftConfig
+from ._models import add_quant_args, default_drafter, drafter_quant, load_drafter
+from ..config import GraftConfig
+from ..methods import METHODS
 from ..decode import decode
 from ..errors import GraftError
 from ..models import load_model
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eagle3", default=None, metavar="PATH",
                    help="draft with this EAGLE-3 head folder instead of --drafter (graft-train-eagle3 --out)")
     p.add_argument("--prompt", help="the prompt; read from stdin when omitted")
-    p.add_argument("--method", default=None, choices=METHODS,
+    p.add_argument("--method", default=None, choices=list(METHODS),
                    help="default: graft when a drafter is known for --model, else retrieval+pld")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budget", type=int, default=None, help="N: tree nodes verified per step (GraftConfig)")
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         target = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
         drafter = (load_drafter(spec, target, args.model, dtype=args.dtype, device=args.device,
                            quant=drafter_quant(args))
-                   if args.method in USES_DRAFTER else None)
+                   if METHODS[args.method].drafts else None)
         overrides = {k: v for k, v in (("budget", args.budget), ("tau", args.tau), ("top_k", args.top_k),
                                        ("max_depth", args.max_depth)) if v is not None}
         # No flags: decode picks this pair's graft-calibrate profile, or the defaults.

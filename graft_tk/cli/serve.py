@@ -17,8 +17,8 @@ import signal
 import socket
 import sys
 
-from ..bench import add_quant_args, default_drafter, drafter_quant, load_drafter
-from ..config import METHODS, USES_DRAFTER
+from ._models import add_quant_args, default_drafter, drafter_quant, load_drafter
+from ..methods import METHODS
 from ..decode import check_drafter, resolve_config
 from ..errors import GraftError, InputError
 from ..models import load_model
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a model name or path, self:L (the target's first L layers) or none "
                         "(default: the registry's pair for --model)")
     p.add_argument("--eagle3", default=None, metavar="PATH", help="draft with this EAGLE-3 head folder")
-    p.add_argument("--method", default=None, choices=METHODS,
+    p.add_argument("--method", default=None, choices=list(METHODS),
                    help="default: graft when a drafter is known for --model, else retrieval+pld")
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default bf16)")
     add_quant_args(p)
@@ -83,11 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         method = args.method or ("graft" if spec not in (None, "none") else "retrieval+pld")
         target = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
         drafter = (load_drafter(spec, target, args.model, dtype=args.dtype, device=args.device,
-                                quant=drafter_quant(args)) if method in USES_DRAFTER else None)
-        if method in USES_DRAFTER and drafter is None:
+                                quant=drafter_quant(args)) if METHODS[method].drafts else None)
+        if METHODS[method].drafts and drafter is None:
             raise InputError(f"--method {method} needs a drafter: pass --drafter NAME or self:L")
         check_drafter(target, drafter)
-        config, source = resolve_config(target, drafter, method, None, None)
+        config, source = resolve_config(target, drafter, METHODS[method], None, None)
     except GraftError as e:
         print(f"graft-serve: error: {e}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ import sys
 import time
 
 from ..errors import GraftError
-from ..bench import add_quant_args
+from ._models import add_quant_args
 from ..models import load_model
 from ..training.eagle3 import TrainConfig, train
 

@@ -2,9 +2,9 @@
 
 The HTTP handlers (asyncio) submit a ``Job`` and wait on it; the decode thread decodes with one
 long-lived ``Engine``, so the adjacency matrix that retrieval reads stays warm across requests.
-With ``max_batch`` = 1 it runs ``graft_tk.decode`` for one job at a time; with more, up to
-``max_batch`` jobs decode together in a ``graft_tk.batch.Batch`` (one target forward per step for
-all of them), a queued job joining as soon as a row is free. Tokens reach the job as they commit
+Up to ``max_batch`` jobs decode together in a ``graft_tk.batch.Batch`` (one target forward per
+step for all of them; ``max_batch`` = 1: one at a time), a queued job joining as soon as a row
+is free. Tokens reach the job as they commit
 (``on_tokens``); the job turns them into text, cuts it at a stop string, holds back what may be the
 start of one (or half a UTF-8 character), and wakes its handler. A job whose client went away is
 cancelled: its ``on_tokens`` answers True and its decoding stops after the current step.
@@ -19,10 +19,9 @@ import time
 import uuid
 
 from ..batch import Batch
-from ..decode import decode
 from ..engine import Engine
 from ..models import Model
-from ..sampling import sampling_generator
+from ..sampling import Sampling
 from .metrics import Metrics
 from .protocol import APIError, Request
 
@@ -111,23 +110,22 @@ class Job:
 
 
 class Scheduler:
-    """Jobs in a bounded FIFO queue, decoded by a single thread with one Engine: one at a time
-    (``max_batch`` = 1) or up to ``max_batch`` together (continuous batching)."""
+    """Jobs in a bounded FIFO queue, decoded by a single thread with one Engine: up to
+    ``max_batch`` together (continuous batching)."""
 
     def __init__(self, target: Model, drafter, method: str, config, max_queue: int, metrics: Metrics,
                  max_batch: int = 1, policy: dict | None = None, hold: int = 8):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.target, self.drafter, self.method, self.metrics = target, drafter, method, metrics
-        self.engine = None if method == "ar" and max_batch == 1 else Engine(target, drafter, config)
+        self.engine = Engine(target, drafter, config)
         # policy: batch size -> config (N, tau and D by batch size, graft-calibrate --batch B), planned
         # for the most requests of the last ``hold`` steps (graft_tk.batch.Batch)
-        self.batch = Batch(self.engine, method, max_batch, policy, hold) if max_batch > 1 else None
+        self.batch = Batch(self.engine, max_batch, policy, hold)
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
-        serve = self._serve_batched if self.batch is not None else self._serve
-        self._thread = threading.Thread(target=serve, name="graft-decode", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="graft-decode", daemon=True)
         self._accepting = True
-        self.running: dict[int, Job] = {}     # jobs being decoded, by id(their decode state) or 0
+        self.running: dict[int, Job] = {}     # jobs being decoded, by id(their request)
         self.peak_batch = 0                    # most jobs decoded together so far
 
     @property
@@ -151,27 +149,6 @@ class Scheduler:
                            type="rate_limit_error", code="queue_full") from None
 
     def _serve(self) -> None:
-        """One job at a time through ``graft_tk.decode``."""
-        while (job := self._queue.get()) is not None:
-            if job.cancelled.is_set():
-                self._finish(job, {})
-                continue
-            self.running[0], job.started = job, time.time()
-            self.peak_batch = 1
-            r = job.request
-            try:
-                result = decode(self.target, job.prompt_ids, drafter=self.drafter, method=self.method,
-                                engine=self.engine, max_new_tokens=r.max_tokens, temperature=r.temperature,
-                                top_p=r.top_p, seed=r.seed, on_tokens=job.on_tokens)
-                job.finish(result.stats)
-            except Exception as e:  # noqa: BLE001 - one failed request never stops the server
-                log.exception("request %s failed", job.id)
-                job.fail(e)
-            finally:
-                del self.running[0]
-            self.metrics.observe(job)
-
-    def _serve_batched(self) -> None:
         """Continuous batching: queued jobs join the batch between steps while it has a free row;
         each step decodes every job in it; finished jobs leave."""
         batch, stopping = self.batch, False
@@ -192,32 +169,32 @@ class Scheduler:
             try:
                 finished = batch.step()
             except Exception as e:  # noqa: BLE001 - a failed step fails its jobs, never the server
-                log.exception("a batched step failed; failing its %d requests", len(batch))
-                for seq in list(batch.seqs):
-                    batch.cancel(seq)
-                    job = self.running.pop(id(seq))
+                log.exception("a step failed; failing its %d requests", len(batch))
+                for request in list(batch.rows):
+                    batch.cancel(request)
+                    job = self.running.pop(id(request))
                     job.fail(e)
                     self.metrics.observe(job)
                 continue
             self.metrics.observe_step(batch.last_step)
-            for seq in finished:
-                self._finish(self.running.pop(id(seq)), self.engine.finish(seq))
+            for request in finished:
+                self._finish(self.running.pop(id(request)), request.finish())
 
     def _join(self, job: Job) -> None:
         r = job.request
         job.started = time.time()
         try:   # nothing a request brings may escape into the decode thread
-            generator = sampling_generator(self.target.device, r.temperature, r.seed)
-            seq = self.batch.add(job.prompt_ids, r.max_tokens, r.temperature, r.top_p, generator, job.on_tokens)
+            request = self.batch.add(job.prompt_ids, self.method, r.max_tokens, Sampling(r.temperature, r.top_p, r.seed),
+                                     job.on_tokens)
         except Exception as e:  # noqa: BLE001
             log.exception("request %s failed", job.id)
             job.fail(e)
             self.metrics.observe(job)
             return
-        if seq.done:
-            self._finish(job, self.engine.finish(seq))
+        if request.done:
+            self._finish(job, request.finish())
         else:
-            self.running[id(seq)] = job
+            self.running[id(request)] = job
             self.peak_batch = max(self.peak_batch, len(self.running))
 
     def _finish(self, job: Job, stats: dict) -> None:

@@ -28,10 +28,11 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..batch import Batch
+from ..bench.prompts import jsonl_rows
+from ..engine import Engine
 from ..errors import InputError
 from ..models import Model
-from ..models.transformer import causal_mask
-from ..prompts import jsonl_rows
 
 # Standard-library folders that are tests, GUI demos, generated tables or vendored data.
 _SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
@@ -110,50 +111,35 @@ def distilled_documents(target: Model, n_prompts: int, max_new_tokens: int, seed
     return [ids + answer for ids, answer in zip(prompts, answers)]
 
 
-@torch.inference_mode()
 def greedy_answers(target: Model, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 32,
                    progress: bool = True) -> list[list[int]]:
     """The target's greedy continuation of each prompt, up to and including its end-of-sequence token.
 
-    Prompts run ``batch_size`` at a time, left-padded, each row masked to its own tokens and
-    positioned from 0, so every row is plain greedy decoding of its prompt (the same tokens as
-    ``decode(method="ar")`` up to float rounding, since batched matmuls sum in another order).
-    A decode step on CPU is memory-bound: 32 rows cost about 5x one row's time.
+    Plain decoding of ``batch_size`` prompts at a time through the decode step (continuous
+    batching: a prompt joins as soon as a row is free), the same tokens as ``decode(method="ar")``
+    up to float rounding (batched matmuls sum in another order). A decode step on CPU is
+    memory-bound: 32 rows cost about 5x one row's time.
     """
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    net, device = target.net, target.device
-    eos_ids = set(target.eos_token_ids)
-    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch together
-    answers: list[list[int]] = [[] for _ in prompts]
+    batch = Batch(Engine(target), max_batch=batch_size)
+    answers: dict[int, list[int]] = {}
+    index: dict[int, int] = {}
+    pending = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))   # similar lengths together
     with tqdm(total=len(prompts), desc="distil", unit="prompt", disable=not progress) as bar:
-        for lo in range(0, len(order), batch_size):
-            rows = order[lo:lo + batch_size]
-            L = len(prompts[rows[-1]])
-            pad = torch.tensor([L - len(prompts[i]) for i in rows], device=device)
-            tokens = torch.tensor([[0] * (L - len(prompts[i])) + prompts[i] for i in rows], device=device)
-            net.setup_cache(L + max_new_tokens, len(rows))
-            slots = torch.arange(L + max_new_tokens, device=device)
-            real = slots[None, :] >= pad[:, None]                     # [B, S]: slot holds a token of the row
-            positions = (slots[None, :] - pad[:, None]).clamp(min=0)  # [B, S]
-            # Pad queries see themselves only, so that no softmax row is empty (NaN in the cache).
-            mask = (real[:, None, :L] & causal_mask(0, L, device)) | torch.eye(L, dtype=torch.bool, device=device)
-            logits = net(tokens, positions[:, :L], 0, attn_mask=mask, last_only=True)
-            generated, done = [], torch.zeros(len(rows), dtype=torch.bool, device=device)
-            for step in range(max_new_tokens):
-                token = logits[:, -1].argmax(-1)
-                generated.append(token)
-                done |= torch.isin(token, eos)
-                if step + 1 == max_new_tokens or bool(done.all()):
-                    break
-                pos = L + step
-                logits = net(token[:, None], positions[:, pos:pos + 1], pos, attn_mask=real[:, None, :pos + 1])
-            for row, seq in zip(rows, torch.stack(generated, dim=1).tolist()):
-                stop = next((j for j, t in enumerate(seq) if t in eos_ids), len(seq) - 1)
-                answers[row] = seq[:stop + 1]
-            bar.update(len(rows))
-    return answers
+        while pending or len(batch):
+            while pending and not batch.full:
+                i = pending.pop(0)
+                request = batch.add(prompts[i], "ar", max_new_tokens)
+                if request.done:
+                    answers[i] = request.out
+                    bar.update()
+                else:
+                    index[id(request)] = i
+            for request in batch.step():
+                answers[index.pop(id(request))] = request.out
+                bar.update()
+    return [answers[i] for i in range(len(prompts))]
 
 
 def file_documents(paths: list[Path], model: Model) -> list[list[int]]:

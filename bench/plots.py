@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from ._fs import atomic_write_bytes
+from graft_tk._fs import atomic_write_bytes
 
 
 def plot_summary(summary: dict, path: str | Path, title: str = "") -> None:

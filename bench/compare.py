@@ -34,18 +34,17 @@ from typing import Callable
 
 import torch
 
-from ._version import __version__
-from . import config as config_mod
-from ._fs import atomic_write_text
+from graft_tk._fs import atomic_write_text
+from graft_tk._version import __version__
+from graft_tk.config import GraftConfig
+from graft_tk.decode import decode, encode_prompt
+from graft_tk.engine import Engine
+from graft_tk.errors import InputError
+from graft_tk.methods import METHODS
+from graft_tk.models import Model
+from graft_tk.models.eagle3 import Eagle3Head
+
 from .anchors import ANCHOR_NAMES, LLAMA_CPP_ANCHORS, Anchors
-from .config import GraftConfig
-from .decode import decode, encode_prompt
-from .engine import Engine
-from .errors import InputError
-from .models import QUANTS, Model, load_model
-from .models.eagle3 import Eagle3Head
-from .models.eagle3_checkpoint import load_eagle3
-from .models.registry import HF_ALIASES, HF_DRAFTERS, REGISTRY, fetch_gguf
 from .prompts import Prompt
 
 WARMUP_TOKENS = 8
@@ -54,69 +53,12 @@ PHASES = ("prefill", "draft", "retrieve", "verify", "commit")
 
 def parse_methods(text: str) -> tuple[str, ...]:
     """``"tree,graft"`` -> ``("ar", "tree", "graft")``: validated against METHODS at run time, ar first."""
-    available = config_mod.METHODS  # read now, not at import: new methods (e.g. pld) need no change here
+    available = list(METHODS)
     names = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in names if m not in available]
     if unknown or not names:
         raise InputError(f"unknown method(s) {', '.join(unknown) or repr(text)}; available: {', '.join(available)}")
     return ("ar",) + tuple(dict.fromkeys(m for m in names if m != "ar"))
-
-
-def default_drafter(model: str) -> str | None:
-    """The drafter that pairs with ``model`` (registry models, and HF aliases like qwen3), or None."""
-    entry = REGISTRY.get(model)
-    if entry is not None:
-        return entry.drafter
-    return HF_DRAFTERS.get(HF_ALIASES.get(model, model))
-
-
-def load_drafter(spec: str | None, target: Model, model: str, dtype=None, device=None,
-                 quant: str = "none") -> Model | Eagle3Head | None:
-    """``None`` / ``"none"`` -> no drafter; ``"self:L"`` -> the target's first L layers (``model`` is
-    the target's name as given); ``"eagle3:PATH"`` -> an EAGLE-3 head for ``target``; else load_model(spec).
-    ``quant``: the drafter model's quantization (an EAGLE-3 head stays float)."""
-    if spec is None or spec == "none":
-        return None
-    if spec.startswith("self:"):
-        layers = spec[5:]
-        if not layers.isdigit() or int(layers) < 1:
-            raise InputError(f"--drafter self:L needs a layer count L >= 1, got {spec!r}")
-        return load_model(model, dtype=dtype, device=device, num_layers=int(layers), quant=quant)
-    if spec.startswith("eagle3:"):
-        return load_eagle3(spec[len("eagle3:"):], target)
-    return load_model(spec, dtype=dtype, device=device, quant=quant)
-
-
-def add_quant_args(p, drafter: bool = True) -> None:
-    """A CLI's ``--quant`` (and with ``drafter``, ``--drafter-quant``; read it with ``drafter_quant``)."""
-    p.add_argument("--quant", default="none", choices=QUANTS,
-                   help="weight-only quantization of the target's linear layers (default: %(default)s; with int8/int4 "
-                        "use --dtype bf16 on a CPU)")
-    if drafter:
-        p.add_argument("--drafter-quant", default=None, choices=QUANTS,
-                       help="the drafter's quantization (default: --quant's)")
-
-
-def drafter_quant(args) -> str:
-    """The drafter's quantization from a CLI's ``--drafter-quant`` (default: ``--quant``)."""
-    return args.drafter_quant or args.quant
-
-
-def gguf_source(model: str) -> Path | None:
-    """The GGUF file a ``--model`` argument names (a built-in model's verified file, or a .gguf
-    path), else None: what the llama.cpp anchors run."""
-    if model in REGISTRY:
-        return fetch_gguf(REGISTRY[model], progress=False)
-    return Path(model).expanduser() if model.endswith(".gguf") else None
-
-
-def drafter_spec(args) -> str | None:
-    """A CLI's drafter: ``--eagle3 PATH`` or ``--drafter SPEC``, else the registry's pair for ``--model``."""
-    if args.eagle3 is not None:
-        if args.drafter is not None:
-            raise InputError("pass --drafter or --eagle3, not both")
-        return f"eagle3:{args.eagle3}"
-    return args.drafter if args.drafter is not None else default_drafter(args.model)
 
 
 @dataclass
@@ -136,8 +78,8 @@ class Plan:
     # "off" / "on": every method's step forwards eager / compiled (graft_tk.compiled); "both": each
     # method twice, eager and as "<method>:compiled", interleaved in one run
     compile: str = "off"
-    # "off" / "on": the methods that prune draft and verify at the config's fixed tau, D and N /
-    # choose depth and budget per step from ``config.cost`` (graft_tk.policy); "both": each such
+    # "off" / "on": the methods that prune draft at the config's fixed tau and D / choose whether
+    # to draft and how deep per step from ``config.cost`` (graft_tk.policy); "both": each such
     # method twice, fixed and as "<method>:adaptive"
     adaptive: str = "off"
     # name -> config: each method but ar runs again as "<method>@name" with that config as it is
@@ -159,7 +101,7 @@ class Plan:
             raise InputError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not self.prompts:
             raise InputError("no prompts to run")
-        missing = [m for m in self.methods if m in config_mod.USES_DRAFTER]
+        missing = [m for m in self.methods if METHODS[m].drafts]
         if missing and self.drafter is None:
             raise InputError(f"method(s) {', '.join(missing)} need a drafter: pass --drafter NAME or "
                              "--drafter self:L (the target's first L layers)")
@@ -170,7 +112,7 @@ class Plan:
         with compile "both" each of those again as "<name>:compiled"."""
         names = self.methods
         if self.adaptive == "both":
-            names += tuple(m + ADAPTIVE_SUFFIX for m in self.methods if m in config_mod.PRUNES)
+            names += tuple(m + ADAPTIVE_SUFFIX for m in self.methods if METHODS[m].prune)
         names += tuple(f"{m}{CONFIG_MARK}{c}" for c in self.configs for m in self.methods if m != "ar")
         if self.compile == "both":
             names += tuple(n + COMPILED_SUFFIX for n in names)
@@ -206,7 +148,7 @@ def cold_decode(target: Model, drafter: Model | Eagle3Head | None, method: str, 
                 ids: list[int], max_new_tokens: int, temperature: float = 0.0,
                 seed: int = 0, top_p: float = 1.0, compile: bool = False) -> tuple[list[int], dict]:
     """One decode from a fresh Engine (cold adjacency matrix, no state from earlier runs): (tokens, stats)."""
-    engine = None if method == "ar" else Engine(target, drafter, config, compile=compile)
+    engine = Engine(target, drafter if METHODS[method].drafts else None, config, compile=compile)
     r = decode(target, ids, method=method, drafter=drafter, config=config, engine=engine,
                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, compile=compile)
     return r.tokens, r.stats

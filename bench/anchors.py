@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import InputError
-from .models import Model
+from graft_tk.errors import InputError
+from graft_tk.models import Model
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,68 @@
+"""What every command line shares: which drafter pairs with a model, loading one from a spec, the
+quantization flags."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import InputError
+from ..models import QUANTS, Model, load_model
+from ..models.eagle3 import Eagle3Head
+from ..models.eagle3_checkpoint import load_eagle3
+from ..models.registry import HF_ALIASES, HF_DRAFTERS, REGISTRY, fetch_gguf
+
+
+def default_drafter(model: str) -> str | None:
+    """The drafter that pairs with ``model`` (registry models, and HF aliases like qwen3), or None."""
+    entry = REGISTRY.get(model)
+    if entry is not None:
+        return entry.drafter
+    return HF_DRAFTERS.get(HF_ALIASES.get(model, model))
+
+
+def load_drafter(spec: str | None, target: Model, model: str, dtype=None, device=None,
+                 quant: str = "none") -> Model | Eagle3Head | None:
+    """``None`` / ``"none"`` -> no drafter; ``"self:L"`` -> the target's first L layers (``model`` is
+    the target's name as given); ``"eagle3:PATH"`` -> an EAGLE-3 head for ``target``; else load_model(spec).
+    ``quant``: the drafter model's quantization (an EAGLE-3 head stays float)."""
+    if spec is None or spec == "none":
+        return None
+    if spec.startswith("self:"):
+        layers = spec[5:]
+        if not layers.isdigit() or int(layers) < 1:
+            raise InputError(f"--drafter self:L needs a layer count L >= 1, got {spec!r}")
+        return load_model(model, dtype=dtype, device=device, num_layers=int(layers), quant=quant)
+    if spec.startswith("eagle3:"):
+        return load_eagle3(spec[len("eagle3:"):], target)
+    return load_model(spec, dtype=dtype, device=device, quant=quant)
+
+
+def add_quant_args(p, drafter: bool = True) -> None:
+    """A CLI's ``--quant`` (and with ``drafter``, ``--drafter-quant``; read it with ``drafter_quant``)."""
+    p.add_argument("--quant", default="none", choices=QUANTS,
+                   help="weight-only quantization of the target's linear layers (default: %(default)s; with int8/int4 "
+                        "use --dtype bf16 on a CPU)")
+    if drafter:
+        p.add_argument("--drafter-quant", default=None, choices=QUANTS,
+                       help="the drafter's quantization (default: --quant's)")
+
+
+def drafter_quant(args) -> str:
+    """The drafter's quantization from a CLI's ``--drafter-quant`` (default: ``--quant``)."""
+    return args.drafter_quant or args.quant
+
+
+def gguf_source(model: str) -> Path | None:
+    """The GGUF file a ``--model`` argument names (a built-in model's verified file, or a .gguf
+    path), else None: what the llama.cpp anchors run."""
+    if model in REGISTRY:
+        return fetch_gguf(REGISTRY[model], progress=False)
+    return Path(model).expanduser() if model.endswith(".gguf") else None
+
+
+def drafter_spec(args) -> str | None:
+    """A CLI's drafter: ``--eagle3 PATH`` or ``--drafter SPEC``, else the registry's pair for ``--model``."""
+    if args.eagle3 is not None:
+        if args.drafter is not None:
+            raise InputError("pass --drafter or --eagle3, not both")
+        return f"eagle3:{args.eagle3}"
+    return args.drafter if args.drafter is not None else default_drafter(args.model)
