@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from graft_tk.errors import GraftError, InputError
-from graft_tk.kernels._common import interpreted
+from graft_tk.backend import interpreted
 
 from . import cache
 from .cache import Entry, Environment, Key

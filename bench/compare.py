@@ -29,7 +29,6 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Callable
 
 import torch

@@ -11,7 +11,7 @@ import os
 import pytest
 
 import graft_tk
-from graft_tk.config import METHODS
+from graft_tk.methods import METHODS
 from graft_tk.decode import encode_prompt
 from graft_tk.engine import Engine
 from graft_tk.bench.prompts import load_prompts
@@ -33,11 +33,11 @@ def test_decode(benchmark, models, method):
     target, drafter, ids = models
 
     def setup():
-        engine = None if method == "ar" else Engine(target, drafter)
+        engine = Engine(target, drafter)
         return (), {"engine": engine}
 
     def run(engine):
-        return graft_tk.decode(target, ids, drafter=drafter, method=method, engine=engine, max_new_tokens=TOKENS)
+        return graft_tk.decode(target, ids, method=method, engine=engine, max_new_tokens=TOKENS)
 
     benchmark.extra_info.update(model=target.name, drafter=drafter.name, dtype=DTYPE, method=method,
                                 tokens=TOKENS, prompt_tokens=len(ids))

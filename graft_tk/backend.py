@@ -8,6 +8,8 @@ tests, never for speed.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .errors import InputError
@@ -22,3 +24,8 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     if backend == "auto":
         return "triton" if torch.device(device).type == "cuda" else "torch"
     return backend
+
+
+def interpreted() -> bool:
+    """True when Triton kernels run in its CPU interpreter (no compilation, no autotuning)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
-import torch
 from torch import Tensor
 
 from .models.attention import AttentionPlan

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from graft_tk import anchors
+from graft_tk.bench import anchors
 from graft_tk.cli.bench import main
 from graft_tk.errors import InputError
 

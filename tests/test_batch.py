@@ -1,22 +1,16 @@
-"""Batched speculative decoding (graft_tk.batch): several requests verified in one target forward.
-
-Greedy: every request's tokens equal decoding it alone with `ar` in fp32, on real prompts with
-real SmolLM2 weights, while requests join and leave between steps. Sampling: each request's tokens
-follow the target's exact joint distribution (chi-square on a tiny random model, as for one request).
-"""
+"""Requests in flight (graft_tk.batch): joining and leaving between steps, the budget policy by batch
+size. Every request's tokens equal decoding it alone with `ar` in fp32, on real prompts with real
+SmolLM2 weights (the step itself, every method and B = 4: tests/test_engine.py)."""
 import pytest
 import torch
 
 import graft_tk
 from graft_tk.batch import Batch, decode_batch
+from graft_tk.bench.prompts import load_prompts
 from graft_tk.config import GraftConfig
 from graft_tk.decode import encode_prompt
 from graft_tk.engine import Engine
 from graft_tk.errors import InputError
-from graft_tk.bench.prompts import load_prompts
-
-from .chi2 import chi2, chi2_critical
-from .test_engine import N_SAMPLES, SAMPLING_CONFIG, tiny_pair  # noqa: F401 - tiny_pair is a fixture
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +29,26 @@ def ar_alone(smollm2, prompts):
     return [graft_tk.decode(smollm2, ids, max_new_tokens=24).tokens for ids in prompts]
 
 
-@pytest.mark.parametrize("method", ["ar", "graft", "graft+pld", "retrieval+pld"])
-def test_batched_greedy_equals_ar_alone(smollm2, self_drafter, prompts, ar_alone, method):
-    """Four real prompts, two rows: each joins when a row frees, each equals its own `ar` decode."""
-    engine = Engine(smollm2, self_drafter)
-    got = decode_batch(engine, prompts, method, max_batch=2, max_new_tokens=24)
-    assert [tokens for tokens, _ in got] == ar_alone
-    for (tokens, stats), ref in zip(got, ar_alone):
-        assert stats["tokens"] == len(ref) and stats["steps"] >= 1
-    if method != "ar":   # the shared M learnt from every request
-        assert int((engine.adjacency >= 0).any(-1).sum()) > 0
-        assert sum(stats["mat"] for _, stats in got) / len(got) > 1.0
+def test_requests_join_and_leave_between_steps(smollm2, self_drafter, prompts, ar_alone):
+    """A short request leaves row 0; the long one moves into it with its KV; a third joins row 1."""
+    batch = Batch(Engine(smollm2, self_drafter), max_batch=2)
+    with torch.inference_mode():
+        short = batch.add(prompts[0], "graft", max_new_tokens=3)
+        long = batch.add(prompts[1], "graft", max_new_tokens=24)
+        assert batch.rows == [short, long] and batch.full
+        with pytest.raises(InputError, match="the batch is full"):
+            batch.add(prompts[2], "graft", max_new_tokens=24)
+        finished = []
+        while short not in finished:
+            finished += batch.step()
+        assert batch.rows == [long]           # moved from row 1 to row 0
+        third = batch.add(prompts[2], "graft", max_new_tokens=24)
+        assert batch.rows == [long, third]
+        while len(batch):
+            finished += batch.step()
+    assert short.out == ar_alone[0][:3]
+    assert long.out == ar_alone[1]
+    assert third.out == ar_alone[2]
 
 
 def test_a_policy_budget_above_the_engines_is_served(smollm2, self_drafter, prompts, ar_alone):
@@ -58,62 +61,29 @@ def test_a_policy_budget_above_the_engines_is_served(smollm2, self_drafter, prom
     assert [tokens for tokens, _ in got] == ar_alone[:2]
 
 
-def test_requests_join_and_leave_between_steps(smollm2, self_drafter, prompts, ar_alone):
-    """A short request leaves row 0; the long one moves into it with its KV; a third joins row 1."""
-    batch = Batch(Engine(smollm2, self_drafter), "graft", max_batch=2)
-    with torch.inference_mode():
-        short = batch.add(prompts[0], max_new_tokens=3)
-        long = batch.add(prompts[1], max_new_tokens=24)
-        assert batch.seqs == [short, long] and batch.full
-        with pytest.raises(InputError, match="the batch is full"):
-            batch.add(prompts[2], max_new_tokens=24)
-        finished = []
-        while short not in finished:
-            finished += batch.step()
-        assert batch.seqs == [long]           # moved from row 1 to row 0
-        third = batch.add(prompts[2], max_new_tokens=24)
-        assert batch.seqs == [long, third]
-        while len(batch):
-            finished += batch.step()
-    assert short.out == ar_alone[0][:3]
-    assert long.out == ar_alone[1]
-    assert third.out == ar_alone[2]
-
-
-def test_batched_sampling_matches_the_exact_joint_distribution(tiny_pair):  # noqa: F811 - the fixture
-    """Five sampled tokens per request, 800 requests four at a time sharing M and the estimates:
-    the counts follow the target's exact joint distribution at temperature 0.7, top_p 0.8."""
-    target, drafter, exact = tiny_pair
-    V, n = target.config.vocab_size, 5
-    engine = Engine(target, drafter, SAMPLING_CONFIG)
-    results = decode_batch(engine, [[1, 3, 0, 1]] * N_SAMPLES, "graft+pld", max_batch=4, max_new_tokens=n,
-                           temperature=0.7, top_p=0.8, seed=0)
-    counts = torch.zeros(V ** n)
-    for tokens, _ in results:
-        counts[sum(t * V ** (n - 1 - j) for j, t in enumerate(tokens))] += 1
-    assert sum(stats["steps"] for _, stats in results) / N_SAMPLES >= 2
-    stat, df = chi2(counts, exact)
-    assert stat < chi2_critical(df), (stat, df)
-
-
-def test_bad_batches_are_clear_errors(smollm2, self_drafter):
+def test_bad_batches_are_clear_errors(smollm2, self_drafter, prompts):
     engine = Engine(smollm2, self_drafter)
     with pytest.raises(InputError, match="max_batch must be an int >= 1"):
-        Batch(engine, "graft", 0)
+        Batch(engine, 0)
+    with pytest.raises(InputError, match="policy keys must be batch sizes"):
+        Batch(engine, 2, policy={0: GraftConfig()})
+    with pytest.raises(InputError, match="hold"):
+        Batch(engine, 2, hold=-1)
+    batch = Batch(Engine(smollm2), 2)
     with pytest.raises(InputError, match="unknown method"):
-        Batch(engine, "nope", 2)
+        batch.add(prompts[0], "nope", 4)
     with pytest.raises(InputError, match="needs a drafter"):
-        Batch(Engine(smollm2), "graft", 2)
+        batch.add(prompts[0], "graft", 4)
+    assert len(batch) == 0
 
 
 def test_the_budget_follows_the_batch_size(smollm2, self_drafter, prompts, ar_alone):
     """Policy {1: N = 12, 2: N = 4}: a step of two requests verifies 4 nodes each, a step of one 12."""
-    from graft_tk.config import GraftConfig
     policy = {1: GraftConfig(budget=12), 2: GraftConfig(budget=4, tau=0.2)}
-    batch = Batch(Engine(smollm2, self_drafter), "graft", max_batch=2, policy=policy)
+    batch = Batch(Engine(smollm2, self_drafter), max_batch=2, policy=policy)
     assert batch.plan(1).budget == 12 and batch.plan(2).budget == 4 and batch.plan(8).budget == 4
-    a = batch.add(prompts[0], max_new_tokens=6)
-    b = batch.add(prompts[1], max_new_tokens=24)
+    a = batch.add(prompts[0], "graft", max_new_tokens=6)
+    b = batch.add(prompts[1], "graft", max_new_tokens=24)
     while len(batch):
         batch.step()
     assert a.out == ar_alone[0][:6] and b.out == ar_alone[1]
@@ -124,14 +94,10 @@ def test_the_budget_follows_the_batch_size(smollm2, self_drafter, prompts, ar_al
 
 def test_batched_drafting_grows_the_trees_a_request_grows_alone(smollm2, self_drafter, prompts):
     """One drafter forward per depth for the whole batch drafts what each request drafts alone:
-    two requests batched commit, step by step, what each commits decoded alone at the same
-    fixed budget (same trees, same accepted paths)."""
-    alone = []
-    for ids in prompts[:2]:
-        r = graft_tk.decode(smollm2, ids, drafter=self_drafter, method="tree",
-                            engine=Engine(smollm2, self_drafter, static_shapes=True), max_new_tokens=24)
-        alone.append(r.stats["per_step"])
-    # "tree": no retrieval or estimates shared between the two requests, so their trees are their own
+    two requests batched commit, step by step, what each commits decoded alone (same trees, same
+    accepted paths; "tree": no retrieval or estimates shared between them)."""
+    alone = [graft_tk.decode(smollm2, ids, drafter=self_drafter, method="tree", max_new_tokens=24).stats["per_step"]
+             for ids in prompts[:2]]
     got = decode_batch(Engine(smollm2, self_drafter), prompts[:2], "tree", max_batch=2, max_new_tokens=24)
     for (_, stats), ref in zip(got, alone):
         assert stats["per_step"]["committed"] == ref["committed"]
@@ -142,10 +108,9 @@ def test_speculation_off_at_a_batch_size_and_back_on(smollm2, self_drafter, prom
     """Policy {2: N = 1}: while two requests share the batch they decode plainly (no drafting, one
     token per step); alone again, the long one speculates, its drafter catching up on the tokens it
     missed. Both equal their `ar` decodes."""
-    from graft_tk.config import GraftConfig
-    batch = Batch(Engine(smollm2, self_drafter), "graft", max_batch=2, policy={2: GraftConfig(budget=1)})
-    a = batch.add(prompts[0], max_new_tokens=6)
-    b = batch.add(prompts[1], max_new_tokens=24)
+    batch = Batch(Engine(smollm2, self_drafter), max_batch=2, policy={2: GraftConfig(budget=1)})
+    a = batch.add(prompts[0], "graft", max_new_tokens=6)
+    b = batch.add(prompts[1], "graft", max_new_tokens=24)
     while len(batch):
         batch.step()
     assert a.out == ar_alone[0][:6] and b.out == ar_alone[1]
@@ -159,11 +124,9 @@ def test_no_drafting_at_a_batch_size_then_drafting_again(smollm2, self_drafter, 
     """Policy {2: N = 4, D = 0}: while two requests share the batch they speculate without the
     drafter (retrieval only: no drafter forward, 4-node trees); alone again, the long one drafts,
     its drafter catching up on what it missed. Both equal their `ar` decodes."""
-    from graft_tk.config import GraftConfig
-    batch = Batch(Engine(smollm2, self_drafter), "graft", max_batch=2,
-                  policy={2: GraftConfig(budget=4, max_depth=0)})
-    a = batch.add(prompts[0], max_new_tokens=6)
-    b = batch.add(prompts[1], max_new_tokens=24)
+    batch = Batch(Engine(smollm2, self_drafter), max_batch=2, policy={2: GraftConfig(budget=4, max_depth=0)})
+    a = batch.add(prompts[0], "graft", max_new_tokens=6)
+    b = batch.add(prompts[1], "graft", max_new_tokens=24)
     while len(batch):
         batch.step()
     assert a.out == ar_alone[0][:6] and b.out == ar_alone[1]
@@ -175,10 +138,9 @@ def test_no_drafting_at_a_batch_size_then_drafting_again(smollm2, self_drafter, 
 def test_the_plan_holds_the_largest_size_of_the_last_steps(smollm2, self_drafter, prompts, ar_alone):
     """hold = 3: after one of two requests leaves, the other keeps the two-request plan (here no
     speculation) for three more steps, then speculates at its own size."""
-    from graft_tk.config import GraftConfig
-    batch = Batch(Engine(smollm2, self_drafter), "graft", max_batch=2, policy={2: GraftConfig(budget=1)}, hold=3)
-    a = batch.add(prompts[0], max_new_tokens=6)
-    b = batch.add(prompts[1], max_new_tokens=24)
+    batch = Batch(Engine(smollm2, self_drafter), max_batch=2, policy={2: GraftConfig(budget=1)}, hold=3)
+    a = batch.add(prompts[0], "graft", max_new_tokens=6)
+    b = batch.add(prompts[1], "graft", max_new_tokens=24)
     budgets = []
     while len(batch):
         batch.step()
@@ -188,5 +150,3 @@ def test_the_plan_holds_the_largest_size_of_the_last_steps(smollm2, self_drafter
     assert committed[:shared + 3] == [1] * (shared + 3)
     assert len(committed) > shared + 3 and set(b.stats.per_step["nodes"][shared + 3:]) == {16}
     assert budgets == [1] * (shared + 3) + [16] * (len(committed) - shared - 3)
-    with pytest.raises(InputError, match="hold"):
-        Batch(Engine(smollm2, self_drafter), "graft", max_batch=2, hold=-1)

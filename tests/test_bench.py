@@ -4,9 +4,10 @@ import os
 
 import pytest
 
-from graft_tk import bench
+from graft_tk.bench import compare as bench
+from graft_tk.cli._models import load_drafter
 from graft_tk.cli.bench import main
-from graft_tk.config import METHODS
+from graft_tk.methods import METHODS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -91,7 +92,7 @@ def test_hf_greedy_anchor_runs_beside_ar(smollm2, two_prompts, tmp_path, capsys)
 def test_a_failing_anchor_is_recorded_and_skipped(smollm2, two_prompts, tmp_path, monkeypatch, capsys):
     def broken(self, name, *args):
         raise RuntimeError("no such generate feature")
-    monkeypatch.setattr("graft_tk.anchors.HFAnchors.run", broken)
+    monkeypatch.setattr("graft_tk.bench.anchors.HFAnchors.run", broken)
     out = tmp_path / "out.json"
     rc = main(["--model", "smollm2-135m", "--methods", "ar", "--prompts", str(two_prompts), "--n-per-category",
                "1", "--max-new-tokens", "2", "--anchors", "hf_greedy", "--dtype", "fp32", "--json", str(out)])
@@ -185,7 +186,7 @@ def test_prompt_sources_mix_and_mt_bench_round_robin():
 def test_a_named_profile_runs_beside_the_methods(smollm2, two_prompts, tmp_path, capsys):
     from graft_tk.profiles import profile_key, write_profile
     from graft_tk.config import GraftConfig
-    drafter = bench.load_drafter("self:10", smollm2, "smollm2-135m")
+    drafter = load_drafter("self:10", smollm2, "smollm2-135m")
     path = write_profile(profile_key(smollm2, drafter), "graft", GraftConfig(budget=4, max_depth=1), {}, tmp_path)
     out = tmp_path / "out.json"
     assert main(["--model", "smollm2-135m", "--drafter", "self:10", "--methods", "ar,graft", "--prompts",

@@ -8,12 +8,14 @@ import torch
 from torch._dynamo.utils import counters
 
 import graft_tk
+from graft_tk.batch import decode_batch
 from graft_tk.compiled import StepForward
-from graft_tk.config import METHODS, USES_DRAFTER, GraftConfig
+from graft_tk.config import GraftConfig
 from graft_tk.decode import encode_prompt
 from graft_tk.engine import Engine
 from graft_tk.errors import InputError
-from graft_tk.models.transformer import cache_visibility
+from graft_tk.methods import METHODS
+from graft_tk.models.attention import AttentionPlan
 
 from .conftest import real_prompts
 
@@ -30,15 +32,6 @@ def drafter(smollm2_gguf):
     return graft_tk.load_model("smollm2-135m", dtype="fp32", num_layers=2, progress=False)
 
 
-def test_cache_visibility_is_the_split_mask_over_the_whole_cache():
-    block = torch.tensor([[True, False, False], [True, True, False]])
-    got = cache_visibility(8, torch.tensor(2), block)          # prefix as a device tensor
-    want = torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0],
-                         [1, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
-    assert torch.equal(got, want)
-    assert torch.equal(cache_visibility(8, 2, block), want)     # or a Python int
-
-
 def test_compiled_forward_has_no_graph_break_and_matches_eager(target):
     net = target.net
     tokens = torch.tensor([[504, 3091, 282, 260, 6372]])
@@ -46,14 +39,14 @@ def test_compiled_forward_has_no_graph_break_and_matches_eager(target):
         net.setup_cache(64)
         net.kv.zero_()
         eager = net(tokens, torch.arange(5), 0)
-        eager_tree = net(tokens[:, :3], torch.tensor([5, 6, 6]), 5, mask_prefix=5,
-                         attn_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))
+        plan = AttentionPlan.tree(torch.tensor([5]), torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool),
+                                  8)
+        eager_tree = net(tokens[:, :3], torch.tensor([5, 6, 6]), plan)
         net.kv.zero_()
         breaks_before = sum(counters["graph_break"].values())
         step = StepForward(net, compile=True)                  # fullgraph: a break would raise
         compiled = step(tokens, torch.arange(5), 0)
-        compiled_tree = step(tokens[:, :3], torch.tensor([5, 6, 6]), 5, mask_prefix=5,
-                             attn_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))
+        compiled_tree = step(tokens[:, :3], torch.tensor([5, 6, 6]), plan)
     assert sum(counters["graph_break"].values()) == breaks_before
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(compiled_tree, eager_tree, atol=1e-4, rtol=1e-4)
@@ -66,15 +59,21 @@ def test_every_method_compiled_equals_ar(target, drafter, prompt):
     ref = graft_tk.decode(target, ids, max_new_tokens=24, compile=True)
     assert ref.tokens == eager.tokens and ref.stats["compile"] is True   # compiled ar == eager ar here
     for method in SPECULATIVE:
-        got = graft_tk.decode(target, ids, drafter=drafter if method in USES_DRAFTER else None, method=method,
+        got = graft_tk.decode(target, ids, drafter=drafter if METHODS[method].drafts else None, method=method,
                               config=GraftConfig(), max_new_tokens=24, compile=True)
         assert got.tokens == ref.tokens, method
         assert got.stats["host_syncs_per_step"] <= 1 + got.stats.get("drafter_forwards_per_step", 0), method
 
 
-def test_compile_needs_the_fixed_verify_shape(target):
-    with pytest.raises(InputError, match="static_shapes"):
-        Engine(target, None, GraftConfig(), compile=True, static_shapes=False)
+def test_a_compiled_batch_equals_each_request_alone(target, drafter):
+    """The compiled step forwards serve a batch of ragged rows (one graph per batch shape)."""
+    prompts = [encode_prompt(target, text, chat=True) for text in ("Name three colours.", "def add(a, b):")]
+    want = [graft_tk.decode(target, ids, max_new_tokens=12).tokens for ids in prompts]
+    got = decode_batch(Engine(target, drafter, GraftConfig(), compile=True), prompts, "graft+pld", 2, 12)
+    assert [tokens for tokens, _ in got] == want
+
+
+def test_an_engine_built_eager_refuses_compile(target):
     engine = Engine(target, None, GraftConfig())
     with pytest.raises(InputError, match="compile=True"):
         graft_tk.decode(target, "Hi", method="retrieval", engine=engine, compile=True, max_new_tokens=2)

@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from graft_tk.errors import GraftError, InputError
 from graft_tk.models import Model
+from graft_tk.models.attention import AttentionPlan
 from graft_tk.models.checkpoint import load_transformer, read_config
 from graft_tk.models.eagle3 import Eagle3Config, Eagle3Head, default_target_layers
 from graft_tk.models.eagle3_checkpoint import Eagle3CheckpointError, load_eagle3, save_eagle3
@@ -79,7 +80,7 @@ def test_hidden_layers_are_the_residual_stream_hf_reports(target):
     assert hidden.shape == (1, tokens.shape[1], 3 * DIM)
     assert (hidden - torch.cat([want[6], want[2], want[4]], dim=-1)).abs().max() <= LOGITS_FP32_ATOL
     last_logits, last_hidden = model.net(tokens, torch.arange(tokens.shape[1]), 0, hidden_layers=(5, 1, 3),
-                                         last_only=True)
+                                         logits_at=-1)
     assert torch.equal(last_hidden, hidden)              # features of every token; logits of the last only
     # (logits: a 1-row matmul rounds differently)
     assert (last_logits - logits[:, -1:]).abs().max() <= LOGITS_FP32_ATOL
@@ -155,9 +156,9 @@ def test_logits_cover_the_target_vocab_through_d2t(target):
     # and scores as ranking the target-wide row (-inf outside the draft vocabulary).
     small, _ = _run(head, _prompt(), features, draft_vocab=True)
     assert small.shape == (1, 12, DRAFT_VOCAB) and torch.equal(small, draft)
-    frontier = -torch.rand(12, generator=torch.Generator().manual_seed(1))
-    wide = draft_expand(frontier, logits[0], 4, -3.0)
-    narrow = draft_expand(frontier, small[0], 4, -3.0)
+    frontier, tau = -torch.rand(1, 12, generator=torch.Generator().manual_seed(1)), torch.tensor([-3.0])
+    wide = draft_expand(frontier, logits, 4, tau)
+    narrow = draft_expand(frontier, small, 4, tau)
     assert torch.equal(wide[0], head.draft_ids[narrow[0]]) and torch.allclose(wide[2], narrow[2])
     assert all(torch.equal(a, b) for a, b in zip(wide[3:], narrow[3:])) and torch.equal(wide[1], narrow[1])
     with pytest.raises(InputError, match="same target id"):
@@ -326,7 +327,8 @@ def test_tree_step_equals_running_each_path_causally(target, backend):
     with torch.inference_mode():
         head.setup_cache(32)
         head(prefix, on_device(torch.arange(P)), 0, features=feats, attention=attention)
-        tree_logits, tree_h = head(nodes, pos, P, attn_mask=mask, mask_prefix=P, features=node_h, attention=attention)
+        plan = AttentionPlan.tree(on_device(torch.tensor([P])), mask[None], P + 4)
+        tree_logits, tree_h = head(nodes, pos, plan, features=node_h, attention=attention)
         for i in range(4):
             path = [i]
             while parents[path[0]] >= 0:

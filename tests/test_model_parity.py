@@ -9,7 +9,8 @@ import torch
 import transformers
 
 from graft_tk.models.checkpoint import load_transformer, read_config  # noqa: E402
-from graft_tk.models.transformer import causal_mask  # noqa: E402
+from graft_tk.models.attention import AttentionPlan  # noqa: E402
+from graft_tk.reference.commit_kv import commit_kv  # noqa: E402
 
 from .tolerances import LOGITS_FP32_ATOL  # noqa: E402
 
@@ -67,13 +68,14 @@ def test_incremental_decode_matches_full_forward(random_pair):
     assert (got - want).abs().max().item() <= LOGITS_FP32_ATOL
 
 
-def test_explicit_causal_mask_equals_default(random_pair):
+def test_explicit_causal_block_equals_the_int_start(random_pair):
     _, ours = random_pair
     tokens = torch.randint(0, 301, (1, 12), generator=torch.Generator().manual_seed(3))
     ours.setup_cache(64)
     ours(tokens[:, :5], torch.arange(5), 0)
     implicit = ours(tokens[:, 5:], torch.arange(5, 12), 5)
-    explicit = ours(tokens[:, 5:], torch.arange(5, 12), 5, attn_mask=causal_mask(5, 7, "cpu"))
+    block = torch.ones(1, 7, 7, dtype=torch.bool).tril()
+    explicit = ours(tokens[:, 5:], torch.arange(5, 12), AttentionPlan.tree(torch.tensor([5]), block, 12))
     assert torch.equal(implicit, explicit)
 
 
@@ -87,14 +89,9 @@ def test_commit_kv_moves_every_layer(random_pair):
     # Tokens 5..7 written at slots 10..12 (as a tree block would), then committed to 5..7.
     ours.kv[:, :, :, :, 5:8].zero_()
     ours(tokens[:, :5], torch.arange(5), 0)
-    ours(tokens[:, 5:], torch.arange(5, 8), 10, attn_mask=_prefix_plus_causal(10, 5, 3))
-    ours.commit_kv(torch.tensor([10, 11, 12]), 5)
+    block = torch.ones(1, 3, 3, dtype=torch.bool).tril()
+    ours(tokens[:, 5:], torch.arange(5, 8), AttentionPlan.explicit(torch.tensor([[10, 11, 12]]), torch.tensor([5]),
+                                                                   torch.cat([torch.zeros(1, 3, 5, dtype=torch.bool),
+                                                                              block], 2), 13))
+    commit_kv(ours.kv, torch.tensor([[10, 11, 12]]), torch.tensor([5]))
     assert torch.allclose(ours.kv[:, :, :, :, :8], contiguous, atol=1e-6)
-
-
-def _prefix_plus_causal(start: int, prefix: int, T: int) -> torch.Tensor:
-    """New tokens at slots [start, start+T) see cached slots [0, prefix) and each other causally."""
-    mask = torch.zeros(T, start + T, dtype=torch.bool)
-    mask[:, :prefix] = True
-    mask[:, start:] = torch.ones(T, T, dtype=torch.bool).tril()
-    return mask

@@ -1,4 +1,4 @@
-"""Drafting that calibrates itself: the cost model, the per-step depth and budget, and that an
+"""Drafting that calibrates itself: the cost model, the per-step drafting and depth, and that an
 adaptive engine stays lossless while its choices change step by step."""
 import dataclasses
 import json
@@ -8,21 +8,21 @@ import pytest
 import torch
 
 import graft_tk
-from graft_tk.acceptance import (LEARNT_PRIOR_WEIGHT, PRIOR_WEIGHT, SCORE_EDGES, AcceptanceEstimates,
-                                 AcceptancePriors)
-from graft_tk.adjacency import template_from_level_sizes
-from graft_tk.profiles import read_profile, write_profile, profile_key
-from graft_tk.config import PRUNES, GraftConfig
-from graft_tk.cost import StepCost, interpolate, measure_step_cost
+from graft_tk.acceptance import LEARNT_PRIOR_WEIGHT, PRIOR_WEIGHT, SCORE_EDGES, AcceptancePriors
+from graft_tk.calibration.cost import interpolate, measure_step_cost
+from graft_tk.config import GraftConfig
+from graft_tk.cost import StepCost
 from graft_tk.decode import encode_prompt
 from graft_tk.engine import Engine
 from graft_tk.errors import CorruptFileError, InputError
+from graft_tk.methods import METHODS
 from graft_tk.policy import EXPLORE_EVERY, StepPolicy
+from graft_tk.profiles import profile_key, read_profile, write_profile
 
 from .conftest import real_prompts
 
 # A steep verify (10 ms + 2 ms per extra node) and a drafter forward of 0.25 ms per token: on real
-# prompts the chosen budget and depth then change from step to step.
+# prompts the chosen depth then changes from step to step.
 STEEP = StepCost(verify_ms=tuple(10.0 + 2 * (n - 1) for n in range(1, 17)),
                  draft_ms=tuple(0.25 * w for w in range(1, 17)), step_ms=1.0)
 
@@ -51,21 +51,9 @@ def test_step_cost_checks_its_curves_and_the_budget_it_covers():
 
 
 # --------------------------------------------------------------------------- decisions
-def test_budget_maximises_expected_tokens_minus_rate_times_verify_cost():
-    cost = StepCost(verify_ms=(10.0, 12.0, 20.0, 40.0), draft_ms=(), step_ms=0.0)
-    policy = StepPolicy(cost, budget=4, top_k=1, device="cpu")
-    assert policy.rate == pytest.approx(0.1)                # plain decoding: 1 token per 10 ms
-    values = torch.tensor([0.9, 0.5, 0.3, 0.0])              # the last: no candidate
-    # gain - 0.1 * ms for n = 1..4: 0 - 1, 0.9 - 1.2, 1.4 - 2.0, 1.7 - 4.0  ->  n = 2
-    assert policy.budget(values) == 2
-    flat = StepPolicy(StepCost(verify_ms=(10.0,) * 4, draft_ms=(), step_ms=0.0), 4, 1, "cpu")
-    assert flat.budget(values) == 4                          # a flat verify takes every candidate
-    assert flat.budget(torch.zeros(3)) == 1                  # nothing to verify: a plain decoding step
-
-
 def test_depth_threshold_is_the_lowest_score_whose_acceptance_pays_for_a_forward():
     cost = StepCost(verify_ms=(10.0,), draft_ms=(1.0, 2.0, 3.0, 4.0), step_ms=0.0)
-    policy = StepPolicy(cost, budget=1, top_k=4, device="cpu")         # R = 0.1, a K-wide forward 4 ms
+    policy = StepPolicy(cost, top_k=4)                                 # R = 0.1, a K-wide forward 4 ms
     rates = [0.05 * b + 0.001 for b in range(len(SCORE_EDGES) + 1)]     # p_min = 0.4: bucket 8 first pays
     assert policy.depth_log_tau(rates, SCORE_EDGES, -math.inf) == SCORE_EDGES[7]
     assert policy.depth_log_tau(rates, SCORE_EDGES, math.log(0.9)) == math.log(0.9)   # tau stays a bound
@@ -77,7 +65,7 @@ def test_depth_threshold_is_the_lowest_score_whose_acceptance_pays_for_a_forward
 
 def test_drafting_is_skipped_while_it_does_not_pay_and_retried_every_few_steps():
     cost = StepCost(verify_ms=(10.0,), draft_ms=(8.0,), step_ms=0.0)
-    policy = StepPolicy(cost, budget=1, top_k=1, device="cpu")
+    policy = StepPolicy(cost, top_k=1)
     assert policy.should_draft()                     # prior: one accepted drafted node per step >= 0.1 * 8
     for _ in range(20):                              # the drafter's nodes are never accepted
         policy.observe(committed=1, verified=1, draft_widths=(1,), drafted=True, drafted_accepted=0)
@@ -92,27 +80,26 @@ def test_drafting_is_skipped_while_it_does_not_pay_and_retried_every_few_steps()
 # --------------------------------------------------------------------------- lossless while adapting
 @pytest.mark.slow
 @pytest.mark.parametrize("prompt", real_prompts(1, 0)[:1], ids=lambda p: getattr(p, "id", "x"))
-def test_adaptive_methods_equal_ar_while_depth_and_budget_change(smollm2, self_drafter, prompt):
+def test_adaptive_methods_equal_ar_while_the_depth_changes(smollm2, self_drafter, prompt):
     ids = encode_prompt(smollm2, prompt.text, chat=True)
     ref = graft_tk.decode(smollm2, ids, max_new_tokens=40)
-    for method in sorted(PRUNES):
+    for method in [m for m in METHODS if METHODS[m].prune]:
         engine = Engine(smollm2, self_drafter, GraftConfig(cost=STEEP, tau=0.01))
-        got = graft_tk.decode(smollm2, ids, drafter=self_drafter, method=method, engine=engine, max_new_tokens=40)
+        got = graft_tk.decode(smollm2, ids, method=method, engine=engine, max_new_tokens=40)
         assert got.tokens == ref.tokens, method
         per_step = got.stats["per_step"]
-        assert len(set(per_step["nodes"])) > 1 and len(set(per_step["drafter_forwards"])) > 1, (method, per_step)
-        assert max(per_step["nodes"]) <= 16 and max(per_step["drafter_forwards"]) <= GraftConfig().max_depth
-        # one more host read per step than a fixed budget: the chosen budget
+        assert len(set(per_step["drafter_forwards"])) > 1, (method, per_step)
+        assert set(per_step["nodes"]) == {16} and max(per_step["drafter_forwards"]) <= GraftConfig().max_depth
         reads, forwards = got.stats["host_syncs_per_step"], got.stats["drafter_forwards_per_step"]
-        assert 3 + forwards - 1 - 1e-9 <= reads <= 3 + forwards + 1e-9, method
+        assert reads <= 1 + forwards + 1e-9, method
 
 
-def test_static_shapes_keep_the_budget_and_adapt_the_depth(smollm2, self_drafter):
+def test_a_dear_drafter_drafts_less(smollm2, self_drafter):
     ids = encode_prompt(smollm2, "Count from one to twenty: one, two, three,", chat=False)
     ref = graft_tk.decode(smollm2, ids, max_new_tokens=12)
     dear_drafter = StepCost(verify_ms=STEEP.verify_ms, draft_ms=tuple(3.0 * w for w in range(1, 17)), step_ms=1.0)
-    engine = Engine(smollm2, self_drafter, GraftConfig(cost=dear_drafter, tau=0.01), static_shapes=True)
-    got = graft_tk.decode(smollm2, ids, drafter=self_drafter, method="graft", engine=engine, max_new_tokens=12)
+    engine = Engine(smollm2, self_drafter, GraftConfig(cost=dear_drafter, tau=0.01))
+    got = graft_tk.decode(smollm2, ids, method="graft", engine=engine, max_new_tokens=12)
     assert got.tokens == ref.tokens
     assert set(got.stats["per_step"]["nodes"]) == {16}
     fixed = graft_tk.decode(smollm2, ids, drafter=self_drafter, method="graft", max_new_tokens=12,
@@ -165,23 +152,25 @@ def test_cost_only_measures_the_cost_and_learns_priors_into_the_profile(tmp_path
     assert profile.measured["priors_prompts"] == ["HumanEval/0"]
     # the engine starts from them
     engine = Engine(graft_tk.load_model("smollm2-135m", dtype="fp32", progress=False), None, profile.config)
-    assert torch.allclose(engine.estimates.draft_rates(), torch.tensor(priors.draft), atol=1e-6)
+    assert torch.allclose(engine.draft_rates.rate(), torch.tensor(priors.draft), atol=1e-6)
 
 
-def test_learnt_priors_follow_the_counts_and_are_validated():
-    template = template_from_level_sizes((2, 1), 2)
-    est = AcceptanceEstimates(template, 3, 2, "cpu", decay=1.0)
-    est.retrieval_n += torch.tensor([50.0, 50.0, 0.0])          # rank 0 always right, rank 1 never
-    est.retrieval_acc += torch.tensor([50.0, 0.0, 0.0])
-    learnt = est.learnt()
+def test_learnt_priors_follow_the_counts_and_are_validated(smollm2):
+    engine = Engine(smollm2, None, GraftConfig(retrieval_k=2, template=(2, 1), pld_tokens=3, pld_max_ngram=2))
+    engine.set_decay(1.0)
+    retrieval = engine.source("adjacency").rates
+    retrieval.n += torch.tensor([50.0, 50.0, 0.0])          # rank 0 always right, rank 1 never
+    retrieval.acc += torch.tensor([50.0, 0.0, 0.0])
+    learnt = engine.learnt_priors()
     assert learnt.retrieval[0] > 0.9 and learnt.retrieval[1] < 0.05
     assert learnt.retrieval_weight == (LEARNT_PRIOR_WEIGHT, LEARNT_PRIOR_WEIGHT)
     # nothing seen: the generic guess, weighing no more than it did
     assert learnt.pld == pytest.approx((0.3, 0.5)) and learnt.pld_weight == (PRIOR_WEIGHT, PRIOR_WEIGHT)
-    config = GraftConfig(priors=json.loads(json.dumps(dataclasses.asdict(learnt))))   # a profile's round trip
+    config = GraftConfig(retrieval_k=2, template=(2, 1), pld_tokens=3, pld_max_ngram=2,
+                         priors=json.loads(json.dumps(dataclasses.asdict(learnt))))   # a profile's round trip
     assert config.priors == learnt
-    started = AcceptanceEstimates(template, 3, 2, "cpu", config.priors)
-    assert started.retrieval_values().exp()[:2].tolist() == pytest.approx(learnt.retrieval, rel=1e-5)
+    started = Engine(smollm2, None, config).source("adjacency")
+    assert started.rates.rate()[:2].tolist() == pytest.approx(learnt.retrieval, rel=1e-5)
     fields = dataclasses.asdict(learnt)
     with pytest.raises(InputError, match="probabilities"):
         AcceptancePriors(**{**fields, "retrieval": (0.0, 0.5)})

@@ -36,20 +36,19 @@ def test_retrieve_walks_levels():
     t = small_template()
     assert t.levels == ((0, 2), (2, 5), (5, 6))
     assert torch.equal(t.depth, torch.tensor([1, 1, 2, 2, 2, 3], dtype=torch.int32))
-    out = retrieve(adj, torch.tensor(5), t)
+    out = retrieve(adj, torch.tensor([5, 9]), t)                  # two rows, each from its own root
     assert out.dtype == torch.int64
-    assert torch.equal(out, torch.tensor([7, 9, 3, 4, 8, 1]))
-    assert torch.equal(retrieve(adj, torch.tensor([5]), t), out)  # [1] root works like 0-dim
+    assert torch.equal(out, torch.tensor([[7, 9, 3, 4, 8, 1], [8, 2, -1, -1, -1, -1]]))
 
 
 def test_empty_rows_propagate_minus_one():
     adj = new_adjacency(V, K)
     adj[5] = torch.tensor([7, -1], dtype=torch.int32)  # empty column: node 1 and its child 4 missing
     adj[7] = torch.tensor([3, 4], dtype=torch.int32)   # row 3 empty: node 5 missing
-    out = retrieve(adj, torch.tensor(5), small_template())
-    assert torch.equal(out, torch.tensor([7, -1, 3, 4, -1, -1]))
+    out = retrieve(adj, torch.tensor([5]), small_template())
+    assert torch.equal(out, torch.tensor([[7, -1, 3, 4, -1, -1]]))
     # An unseen root token: everything is -1.
-    assert torch.equal(retrieve(adj, torch.tensor(0), small_template()), torch.full((6,), -1))
+    assert torch.equal(retrieve(adj, torch.tensor([0]), small_template()), torch.full((1, 6), -1))
 
 
 def test_update_writes_topk_rows():
@@ -119,7 +118,7 @@ def test_default_template_shape():
     assert (kids[:-1] >= kids[1:]).all() and kids[0] > kids[-1]
     # Each parent's children are ranks 0..m-1 (a prefix), and retrieval runs on it.
     adj = torch.randint(0, 32, (32, 8), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-    out = retrieve(adj, torch.tensor(1), t)
+    out = retrieve(adj, torch.tensor([1]), t)[0]
     assert out.shape == (80,) and (out >= 0).all()
 
 
@@ -137,7 +136,7 @@ def test_template_validation():
     with pytest.raises(ValueError, match="level 2 size"):
         template_from_level_sizes([2, 5], k=2)
     with pytest.raises(ValueError, match="adj has only"):
-        retrieve(new_adjacency(V, 1), torch.tensor(0), small_template())
+        retrieve(new_adjacency(V, 1), torch.tensor([0]), small_template())
 
 
 def test_update_matches_sequential_writes():

@@ -19,7 +19,7 @@ from graft_tk.config import GraftConfig
 from graft_tk.decode import decode, encode_prompt
 from graft_tk.errors import CorruptFileError, InputError
 from graft_tk.models.eagle3_checkpoint import load_eagle3
-from graft_tk.models.transformer import attention_mask
+from graft_tk.models.attention import AttentionPlan
 from graft_tk.training.corpus import Corpus, draft_vocab, file_documents, function_prompts, greedy_answers
 from graft_tk.training.eagle3 import STATE_FILE, TrainConfig, init_head, target_batch, train, unroll
 
@@ -54,9 +54,10 @@ def test_unroll_is_what_the_head_computes_when_drafting(smollm2):
             h, slots = hidden[:, t:t + 1], list(range(t + 1))
             for j in range(1, 3):
                 slot = T - 1 + j - 1      # scratch slots after the committed entries
-                mask = torch.zeros(1, slot + 1, dtype=torch.bool)
-                mask[0, slots + list(range(T - 1, slot + 1))] = True
-                lg, h = head(tokens[:, t + 1 + j:t + 2 + j], torch.tensor([t + j]), slot, attn_mask=mask, features=h)
+                mask = torch.zeros(1, 1, slot + 1, dtype=torch.bool)
+                mask[0, 0, slots + list(range(T - 1, slot + 1))] = True
+                plan = AttentionPlan.explicit(torch.tensor([[slot]]), torch.tensor([0]), mask, slot + 1)
+                lg, h = head(tokens[:, t + 1 + j:t + 2 + j], torch.tensor([t + j]), plan, features=h)
                 torch.testing.assert_close(lg[0, 0, head.draft_ids], steps[j][0, t], atol=2e-4, rtol=0)
 
 
@@ -186,8 +187,6 @@ def test_batched_distillation_is_plain_greedy_decoding(smollm2):
     config = dataclasses.replace(smollm2.config, eos_token_ids=(stop,))
     stopped = greedy_answers(dataclasses.replace(smollm2, config=config), prompts, 12, batch_size=3, progress=False)
     assert stopped == [a[:a.index(stop) + 1] if stop in a else a for a in answers] and len(stopped[0]) <= 5
-    with pytest.raises(InputError, match="per-sequence attn_mask"):
-        attention_mask("triton", 0, 2, torch.ones(1, 2, 2, dtype=torch.bool), None, "cpu")
 
 
 def test_generate_cli_drafts_with_the_trained_head(trained):

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None,
                    help="drafter: a model name or path, self:L (the target's first L layers) or none "
                         "(default: the registry's pair for --model, e.g. qwen2.5-coder-0.5b)")
-    p.add_argument("--methods", default=",".join(config_mod.METHODS),
+    p.add_argument("--methods", default=",".join(METHODS),
                    help="comma list of methods; ar always runs as the baseline (default: %(default)s)")
     p.add_argument("--prompts", default="humaneval",
                    help="humaneval | spec-bench | spec-bench:PATH | mt-bench | math | mix | PATH.jsonl, or a "

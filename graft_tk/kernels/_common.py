@@ -1,14 +1,8 @@
 """Shared kernel plumbing: every launch is counted by the step that runs it (``graft_tk.counters``)."""
 from __future__ import annotations
 
-import os
-
+from ..backend import interpreted  # noqa: F401  (the kernels' modules take it from here)
 from ..counters import count_launch
-
-
-def interpreted() -> bool:
-    """True when kernels run in Triton's CPU interpreter (no compilation, no autotuning)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def launch(kernel, grid, *args, **kwargs):
