@@ -15,7 +15,8 @@ from .backend import resolve_backend
 from .compiled import StepForward
 from .config import GraftConfig
 from .counters import host_read
-from .drafting import Drafter, as_drafter
+from .drafting import Drafter, ModelDrafter
+from .eagle3_drafter import Eagle3Drafter
 from .errors import InputError
 from .methods import Method, method as as_method
 from .models import Model
@@ -149,3 +150,14 @@ class Engine:
         self.acceptance_log += [(s, d, sc, bool(a)) for i, (s, d, sc, a) in enumerate(zip(source, depth, scores, accepted))
                                 if i % built.tokens.shape[1] and s >= 0]
 
+
+def as_drafter(drafter: Model | Eagle3Head | Drafter | None, compile: bool = False) -> Drafter | None:
+    """Wrap what a caller passes as ``drafter=`` into a ``Drafter``; ``compile``: a drafter model's
+    step forwards run compiled (an EAGLE-3 head, one layer, always runs eagerly)."""
+    if drafter is None:
+        return None
+    if isinstance(drafter, Eagle3Head):
+        return Eagle3Drafter(drafter)
+    if isinstance(drafter, Model):
+        return ModelDrafter(drafter, compile)
+    return drafter

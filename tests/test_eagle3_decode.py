@@ -11,7 +11,7 @@ import graft_tk
 from graft_tk.batch import decode_batch
 from graft_tk.config import GraftConfig
 from graft_tk.decode import encode_prompt
-from graft_tk.drafting import Eagle3Drafter
+from graft_tk.eagle3_drafter import Eagle3Drafter
 from graft_tk.engine import Engine
 from graft_tk.errors import InputError
 from graft_tk.methods import METHODS

@@ -125,7 +125,8 @@ class Scheduler:
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._thread = threading.Thread(target=self._serve, name="graft-decode", daemon=True)
         self._accepting = True
-        self.running: dict[int, Job] = {}     # jobs being decoded, by id(their request)
+        self.running: dict[str, Job] = {}     # jobs being decoded (their prefill included), by job id
+        self._job_of: dict[int, Job] = {}     # id(a batch's request) -> its job
         self.peak_batch = 0                    # most jobs decoded together so far
 
     @property
@@ -172,30 +173,36 @@ class Scheduler:
                 log.exception("a step failed; failing its %d requests", len(batch))
                 for request in list(batch.rows):
                     batch.cancel(request)
-                    job = self.running.pop(id(request))
+                    job = self._job_of.pop(id(request))
+                    del self.running[job.id]
                     job.fail(e)
                     self.metrics.observe(job)
                 continue
             self.metrics.observe_step(batch.last_step)
             for request in finished:
-                self._finish(self.running.pop(id(request)), request.finish())
+                job = self._job_of.pop(id(request))
+                del self.running[job.id]
+                self._finish(job, request.finish())
 
     def _join(self, job: Job) -> None:
         r = job.request
         job.started = time.time()
+        self.running[job.id] = job
+        self.peak_batch = max(self.peak_batch, len(self.running))
         try:   # nothing a request brings may escape into the decode thread
             request = self.batch.add(job.prompt_ids, self.method, r.max_tokens, Sampling(r.temperature, r.top_p, r.seed),
                                      job.on_tokens)
         except Exception as e:  # noqa: BLE001
             log.exception("request %s failed", job.id)
+            del self.running[job.id]
             job.fail(e)
             self.metrics.observe(job)
             return
         if request.done:
+            del self.running[job.id]
             self._finish(job, request.finish())
         else:
-            self.running[id(request)] = job
-            self.peak_batch = max(self.peak_batch, len(self.running))
+            self._job_of[id(request)] = job
 
     def _finish(self, job: Job, stats: dict) -> None:
         job.finish(stats)
