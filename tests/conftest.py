@@ -53,3 +53,13 @@ def real_prompts(n_humaneval: int = 2, n_spec_bench: int = 2) -> list:
                   "data/spec_bench/question.jsonl (github.com/hemingkx/Spec-Bench)")
         params += [pytest.param(None, id="spec-bench", marks=pytest.mark.skip(reason=reason))]
     return params
+
+
+def spec_bench_prompt() -> str:
+    """The first Spec-Bench question (MT-bench), or, on a clone without Spec-Bench (never in CI), a
+    stand-in chat request."""
+    if spec_bench_path() is not None:
+        return load_prompts("spec-bench", n_per_category=1)[0].text
+    if REQUIRE_DATA:
+        raise RuntimeError("Spec-Bench question.jsonl not found; CI needs ../shared/data/spec_bench/question.jsonl")
+    return "Name three colours."

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from graft_tk.sampling import NUCLEUS_TOPK, target_probs, truncated_probs
+from graft_tk.errors import InputError
+from graft_tk.sampling import NUCLEUS_TOPK, Sampling, choose, position_uniforms, target_probs, truncated_probs
 
 
 def nucleus_by_full_sort(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -39,7 +40,6 @@ def test_ties_at_the_boundary_keep_the_lowest_token_ids():
 
 
 def test_a_row_alone_gives_the_same_bits_as_in_a_batch():
-    # accept's torch walk computes single rows, the Triton path all rows at once
     logits = torch.randn(16, 151936, generator=torch.Generator().manual_seed(0)) * 4
     batch = truncated_probs(logits, 0.7, 0.9)
     for i in (0, 5, 15):
@@ -50,3 +50,53 @@ def test_top_p_one_is_the_softmax():
     logits = torch.randn(3, 100)
     assert torch.equal(truncated_probs(logits, 0.5, 1.0), torch.softmax(logits / 0.5, -1))
     assert NUCLEUS_TOPK >= 1
+
+
+# ---------------------------------------------------------------- the seeded draw per position
+def _splitmix_uniform(key: int, position: int) -> float:
+    """position_uniforms in plain Python integers (mod 2**64): the definition the tensors follow."""
+    M = (1 << 64) - 1
+
+    def mix(z):
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+        return z ^ (z >> 31)
+    z = mix((mix((position * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15) & M) ^ (key & M)) & M)
+    return ((z >> 11) + 0.5) * 2.0 ** -53
+
+
+def test_position_uniforms_are_a_fixed_function_of_seed_and_position():
+    keys = [0, 1, 12345, Sampling(1.0, 1.0, 2 ** 63 + 7).key, Sampling(1.0, 1.0, -5).key]
+    positions = [0, 1, 17, 4096, 10 ** 9]
+    got = position_uniforms(torch.tensor(keys)[:, None], torch.tensor(positions)[None])
+    want = [[_splitmix_uniform(k, p) for p in positions] for k in keys]
+    assert got.dtype == torch.float64 and got.tolist() == want
+    assert 0.0 < float(got.min()) and float(got.max()) < 1.0
+
+
+def test_the_draw_follows_the_target_distribution_and_depends_only_on_seed_and_position():
+    """20,000 positions of one seed, logits fixed: the draws follow softmax(l / T) cut to top_p
+    (chi-square); the same (seed, position) gives the same token in any row and batch shape."""
+    from .chi2 import chi2, chi2_critical
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n = 20000
+    positions = torch.arange(n)[None]
+    rows = logits.expand(1, n, 6)
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.8)):
+        draws = choose(rows, positions, [Sampling(temperature, top_p, 42)])[0]
+        stat, df = chi2(torch.bincount(draws, minlength=6).float(), target_probs(logits, temperature, top_p))
+        assert stat < chi2_critical(df), (temperature, top_p, stat)
+        pair = choose(logits.expand(2, 3, 6), torch.tensor([[5, 9, 11], [9, 5, 11]]),
+                      [Sampling(temperature, top_p, 42), Sampling(temperature, top_p, 42)])
+        assert pair[0, 0] == draws[5] and pair[1, 0] == draws[9] and pair[0, 2] == pair[1, 2] == draws[11]
+
+
+def test_greedy_rows_and_tiny_temperatures_take_the_argmax():
+    logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(1))
+    got = choose(logits, torch.zeros(3, 4, dtype=torch.long),
+                 [Sampling(), Sampling(1e-30, 1.0, 3), Sampling(1.0, 1.0, 3)])
+    assert torch.equal(got[:2], logits[:2].argmax(-1))
+    with pytest.raises(InputError, match="seed must be"):
+        Sampling(1.0, 1.0, 2 ** 64)
+    with pytest.raises(InputError, match="temperature must be"):
+        Sampling(-1.0)

@@ -179,12 +179,13 @@ def asyncio_loop_stub():
     return Loop()
 
 
-def test_forty_requests_eight_at_a_time_all_complete_unmixed(smollm2, client):
-    forty_requests_eight_at_a_time(smollm2, client)
+def test_sixteen_requests_eight_at_a_time_all_complete_unmixed(smollm2, client):
+    """One request at a time (--max-batch 1): the queue serves them in order, none lost or mixed."""
+    forty_requests_eight_at_a_time(smollm2, client, n=16)
 
 
-def forty_requests_eight_at_a_time(smollm2, client):
-    """40 chat requests from 8 threads: every one completes with its own prompt's greedy answer."""
+def forty_requests_eight_at_a_time(smollm2, client, n=40):
+    """``n`` chat requests from 8 threads: every one completes with its own prompt's greedy answer."""
     want = {p: expected(smollm2, p, 8).text for p in PROMPTS}
 
     def ask(i):
@@ -193,8 +194,8 @@ def forty_requests_eight_at_a_time(smollm2, client):
                                            temperature=0, max_tokens=8)
         return p, r
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(ask, range(40), timeout=600))
-    assert len(results) == 40
+        results = list(pool.map(ask, range(n), timeout=600))
+    assert len(results) == n
     for p, r in results:
         assert r.choices[0].message.content == want[p]
         assert r.usage.completion_tokens == 8 or r.choices[0].finish_reason == "stop"
@@ -278,6 +279,20 @@ def test_a_hostile_seed_fails_one_request_and_never_the_decode_thread(smollm2, b
     assert job.finish_reason == "error" and "seed" in str(job.error)
     assert scheduler.alive and httpx.get(url + "/health").status_code == 200
     assert client.completions.create(model=NAME, prompt="Hi", temperature=0, max_tokens=2).usage.completion_tokens
+
+
+def test_a_seeded_request_gets_the_same_text_warm_and_beside_another(batched):
+    """F3 (issue 38): the same request and seed gave other text on a warm server and beside another
+    request. Each position's draw is fixed by the seed: twice on a warm server, and alone or
+    sharing every step with a companion, the text is the same."""
+    url, scheduler, client = batched
+    ask = dict(model=NAME, prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95, seed=11)
+    first = client.completions.create(**ask).choices[0].text
+    assert client.completions.create(**ask).choices[0].text == first
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        mine = pool.submit(lambda: client.completions.create(**ask).choices[0].text)
+        other = pool.submit(lambda: client.completions.create(**{**ask, "prompt": "The sea is", "seed": 5}))
+        assert mine.result(timeout=300) == first and other.result(timeout=300).choices[0].text
 
 
 def test_parse_request_reads_what_openai_clients_send():
