@@ -121,6 +121,10 @@ def test_models_health_and_metrics(server, client):
     ("/v1/completions", {"model": NAME, "prompt": "Hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": NAME, "prompt": "Hi", "n": 2}, 400, "n"),
     ("/v1/completions", {"model": NAME, "prompt": [1, 10 ** 9]}, 400, "prompt"),
+    # F4 (issue 38): integers too large for a tensor were plain-text 500s
+    ("/v1/completions", {"model": NAME, "prompt": [1, 2 ** 70]}, 400, "prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 2 ** 70}, 400, "max_tokens"),
+    ("/v1/completions", {"model": NAME, "prompt": "Hi", "seed": -2 ** 70}, 400, "seed"),
     ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user"}]}, 400, "messages[0]"),
     ("/v1/chat/completions", {"model": "gpt-5", "messages": [{"role": "user", "content": "Hi"}]}, 404, "model"),
@@ -134,6 +138,36 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, cli
     error = r.json()["error"]
     assert error["message"] and error["param"] == param
     assert client.completions.create(model=NAME, prompt="Hi", temperature=0, max_tokens=2).usage.completion_tokens
+
+
+def test_n_null_is_the_default_and_usage_counts_the_tokens_returned(smollm2, server):
+    """F4 / F10 (issue 38): ``"n": null`` (valid OpenAI JSON) was refused; usage counted the tokens a
+    step committed past a stop string, not those of the answer returned."""
+    url, _ = server
+    r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "Count: 1, 2, 3,", "n": None,
+                                                   "max_tokens": 24, "temperature": 0, "stop": [" 6"]}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    text, used = body["choices"][0]["text"], body["usage"]["completion_tokens"]
+    assert body["choices"][0]["finish_reason"] == "stop" and " 6" not in text
+    ids, tokenizer = expected(smollm2, "Count: 1, 2, 3,", 24, chat=False).tokens, smollm2.tokenizer
+    assert tokenizer.decode(ids[:used]).startswith(text) and len(tokenizer.decode(ids[:used - 1])) < len(text)
+
+
+def test_a_chat_template_that_raises_is_a_400(server):
+    url, scheduler = server
+    tok = scheduler.target.tokenizer
+    real = tok.apply_chat_template
+
+    def refuse(messages, **kw):
+        raise ValueError("roles must alternate")
+    tok.apply_chat_template = refuse
+    try:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "Hi"}]})
+    finally:
+        tok.apply_chat_template = real
+    assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages"
 
 
 def test_a_client_that_goes_away_mid_stream_frees_the_decoder(server, client):

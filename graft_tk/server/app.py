@@ -111,8 +111,12 @@ def _prompt_ids(target: Model, req: Request) -> list[int]:
     if req.kind == "chat":
         if tok.chat_template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        ids = tok.encode(tok.apply_chat_template(list(req.prompt), add_generation_prompt=True),
-                         add_special_tokens=False)
+        try:
+            text = tok.apply_chat_template(list(req.prompt), add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template may raise on messages it does not take
+            raise APIError(400, f"the model's chat template refused these messages: {type(e).__name__}: {e}",
+                           param="messages") from None
+        ids = tok.encode(text, add_special_tokens=False)
     elif isinstance(req.prompt, str):
         ids = tok.encode(req.prompt, add_special_tokens=True)
     else:
@@ -129,8 +133,8 @@ def _prompt_ids(target: Model, req: Request) -> list[int]:
 
 
 def _usage(job: Job) -> dict:
-    return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(job.tokens),
-            "total_tokens": len(job.prompt_ids) + len(job.tokens)}
+    done = job.completion_tokens
+    return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": done, "total_tokens": len(job.prompt_ids) + done}
 
 
 def _choice(job: Job, text: str, finish_reason: str | None, stream: bool) -> dict:

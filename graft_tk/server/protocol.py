@@ -72,7 +72,7 @@ UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions
 
 def _unsupported(body: dict) -> None:
     for name in ("n", "best_of"):
-        if _int(body, name, 1) != 1:
+        if _int(body, name, 1) not in (1, None):           # null is OpenAI's "default"
             raise _bad(name, "only 1 is supported (one choice per request)")
     for name in UNSUPPORTED:
         if body.get(name) not in (None, False, [], {}):

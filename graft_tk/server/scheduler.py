@@ -73,6 +73,15 @@ class Job:
                     break
         return n
 
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens of the answer returned: with a stop string, those up to the one that completed the
+        text before it (the step may have committed more)."""
+        if self.finish_reason != "stop" or not self.request.stop:
+            return len(self.tokens)
+        return next((k for k in range(1, len(self.tokens) + 1)
+                     if len(self._tokenizer.decode(self.tokens[:k])) >= len(self.text)), len(self.tokens))
+
     def finish(self, stats: dict) -> None:
         self.stats = stats
         if self.finish_reason is None:
