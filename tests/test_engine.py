@@ -135,7 +135,7 @@ def test_budget_one_degenerates_to_ar(smollm2, self_drafter):
 
 def test_engine_keeps_the_adjacency_warm_across_calls(smollm2):
     engine = Engine(smollm2, config=GraftConfig(warm_from_prefill=False))
-    assert int((engine.adjacency.matrix >= 0).sum()) == 0
+    assert engine.adjacency is None                       # made on a request's first use
     first = graft_tk.decode(smollm2, "Count from 1 to 20.", method="retrieval", engine=engine, max_new_tokens=40)
     filled = int((engine.adjacency.matrix >= 0).any(-1).sum())
     assert filled > 0
