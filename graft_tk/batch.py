@@ -13,6 +13,11 @@ rates are the Engine's, shared by every request and kept when they leave. The bu
 tau and depth D follow the batch size (``policy``, from ``graft-calibrate --batch B``; N = 1 is
 no speculation, D = 0 no drafting), held at the largest size of the last ``hold`` steps where
 requests come and go.
+
+Memory: without ``max_len`` the caches grow to the longest request so far and stay there (a
+library call, one process, one user). With ``max_len`` (graft-serve's ``--max-model-len``) they
+are one fixed pool of ``max_batch`` rows of ``max_len`` tokens, allocated when the batch is made
+and never grown: a longer request is refused, and a long request leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -35,9 +40,14 @@ CONTEXT_MULTIPLE = 512   # the context buffer grows in steps of this many tokens
 class Batch:
     """Up to ``max_batch`` requests decoding together with ``engine``'s models, sources and config."""
 
-    def __init__(self, engine, max_batch: int = 1, policy: Mapping[int, GraftConfig] | None = None, hold: int = 0):
+    def __init__(self, engine, max_batch: int = 1, policy: Mapping[int, GraftConfig] | None = None, hold: int = 0,
+                 max_len: int | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InputError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        context = engine.target.config.max_position_embeddings
+        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int)
+                                    or not 2 <= max_len <= context):
+            raise InputError(f"max_len must be an int in [2, {context}] (the model's context), got {max_len!r}")
         # The budget policy by batch size (graft-calibrate --batch B): batch size -> the config whose
         # N, tau and D a step of that many requests uses (the nearest calibrated size at or below it;
         # the engine's config below them all). A verify costs about B x N rows, so N falls as B
@@ -58,6 +68,9 @@ class Batch:
         self.rows: list[Request] = []    # request i decodes in row i
         self.context = torch.zeros(max_batch, 0, dtype=torch.long, device=engine.target.device)
         self.last_step: StepRecord | None = None
+        self.max_len = max_len
+        if max_len is not None:
+            self._reserve(max_len)      # the fixed pool
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -76,10 +89,14 @@ class Batch:
         ids = engine.check_request(ids, method, max_new_tokens)
         if self.full:
             raise InputError(f"the batch is full ({self.max_batch} requests); step until one finishes")
+        tokens = len(ids) + max_new_tokens
+        if self.max_len is not None and tokens > self.max_len:
+            raise InputError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds this batch's "
+                             f"max_len of {self.max_len} tokens (graft-serve --max-model-len); shorten the prompt "
+                             "or lower max_new_tokens")
+        self._reserve(tokens if self.max_len is None else self.max_len)   # the pool: a no-op unless it was taken
         request = Request(method, sampling.seeded(), max_new_tokens, on_tokens, len(ids),
                           RequestStats(method.name, engine.ops.backend))
-        tokens = len(ids) + max_new_tokens
-        self._reserve(tokens)
         row = len(self.rows)
         prefill(engine, row, list(ids), request, self.context[row])
         if not request.done:

@@ -69,12 +69,29 @@ def test_bad_batches_are_clear_errors(smollm2, self_drafter, prompts):
         Batch(engine, 2, policy={0: GraftConfig()})
     with pytest.raises(InputError, match="hold"):
         Batch(engine, 2, hold=-1)
+    with pytest.raises(InputError, match="max_len must be an int"):
+        Batch(engine, 2, max_len=smollm2.config.max_position_embeddings + 1)
     batch = Batch(Engine(smollm2), 2)
     with pytest.raises(InputError, match="unknown method"):
         batch.add(prompts[0], "nope", 4)
     with pytest.raises(InputError, match="needs a drafter"):
         batch.add(prompts[0], "graft", 4)
     assert len(batch) == 0
+
+
+def test_a_fixed_pool_is_made_once_and_refuses_longer_requests(smollm2, self_drafter, prompts, ar_alone):
+    """With max_len the caches are one pool made with the batch: requests decode in it as before, a
+    longer one is refused, and the pool's storage never changes."""
+    batch = Batch(Engine(smollm2, self_drafter), max_batch=2, max_len=len(prompts[1]) + 24)
+    kv = smollm2.net.kv
+    with torch.inference_mode():
+        with pytest.raises(InputError, match="max_len of"):
+            batch.add(prompts[1], "graft", max_new_tokens=25)
+        request = batch.add(prompts[1], "graft", max_new_tokens=24)
+        while len(batch):
+            batch.step()
+    assert request.out == ar_alone[1]
+    assert smollm2.net.kv.data_ptr() == kv.data_ptr() and smollm2.net.kv.shape == kv.shape
 
 
 def test_the_budget_follows_the_batch_size(smollm2, self_drafter, prompts, ar_alone):

@@ -24,12 +24,14 @@ from graft_tk.server.protocol import APIError, Request, parse_request
 from graft_tk.server.scheduler import Job, Scheduler
 
 NAME = "smollm2-135m"
+MAX_MODEL_LEN = 1024
 PROMPTS = ["Name three colours.", "Write a haiku about the sea.", "What is 2 + 2?", "Say hello in French."]
 
 
 @contextlib.contextmanager
 def serving(target, drafter, method="graft", max_queue=64, max_batch=1):
-    scheduler = Scheduler(target, drafter, method, GraftConfig(), max_queue, Metrics(), max_batch)
+    scheduler = Scheduler(target, drafter, method, GraftConfig(), max_queue, Metrics(), max_batch,
+                          max_model_len=MAX_MODEL_LEN)
     with serving_in_thread(scheduler, NAME) as url:
         yield url, scheduler
 
@@ -315,6 +317,56 @@ def test_a_hostile_seed_fails_one_request_and_never_the_decode_thread(smollm2, b
     assert client.completions.create(model=NAME, prompt="Hi", temperature=0, max_tokens=2).usage.completion_tokens
 
 
+def test_a_failing_step_fails_only_the_request_that_made_it_fail(smollm2, batched, monkeypatch, caplog):
+    """A step that raises because of one request (here: any step holding a request of max_tokens
+    13) fails that request with a JSON 500; the requests that shared its steps rejoin and finish
+    with their plain greedy answers, and the decode thread goes on."""
+    url, scheduler, client = batched
+    want = {p: expected(smollm2, p, 12).text for p in PROMPTS[:3]}
+    import graft_tk.batch
+    real_step = graft_tk.batch.decode_step
+
+    def poisoned(engine, rows, context, config):
+        if any(r.on_tokens.__self__.request.max_tokens == 13 for r in rows):
+            raise RuntimeError("poisoned step")
+        return real_step(engine, rows, context, config)
+    monkeypatch.setattr(graft_tk.batch, "decode_step", poisoned)
+
+    def ask(i):
+        if i == 3:
+            return None, httpx.post(url + "/v1/chat/completions", timeout=300, json={
+                "model": NAME, "messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 13})
+        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPTS[i]}],
+                                           temperature=0, max_tokens=12)
+        return PROMPTS[i], r.choices[0].message.content
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(ask, [0, 3, 1, 2], timeout=600))
+    bad = results[1][1]
+    assert bad.status_code == 500 and "poisoned step" in bad.json()["error"]["message"]
+    assert all(text == want[p] for p, text in results if p is not None)
+    assert scheduler.alive and httpx.get(url + "/health").status_code == 200
+    shared = [int(n) for n in re.findall(r"a step of (\d+) requests failed", caplog.text)]
+    assert shared and max(shared) > 1, "the poisoned request never shared a step: nothing was isolated"
+
+
+def test_the_kv_pool_is_fixed_and_a_longer_request_is_a_400(smollm2, batched):
+    """F8 (issue 38): the KV cache grew to the longest request and never shrank. It is now one pool
+    of --max-batch rows of --max-model-len tokens made at start-up: a request past it is a 400 that
+    names the flag, and a long request leaves the pool as it was."""
+    url, scheduler, client = batched
+    kv = scheduler.engine.target.net.kv
+    before = (kv.data_ptr(), tuple(kv.shape))
+    assert kv.shape[2] == 4 and kv.shape[-2] >= MAX_MODEL_LEN
+    r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": MAX_MODEL_LEN})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "--max-model-len" in r.json()["error"]["message"]
+    long = client.completions.create(model=NAME, prompt="Count to a thousand: one, two,", temperature=0,
+                                     max_tokens=200)
+    assert long.usage.completion_tokens > 32
+    kv = scheduler.engine.target.net.kv
+    assert (kv.data_ptr(), tuple(kv.shape)) == before
+
+
 def test_a_seeded_request_gets_the_same_text_warm_and_beside_another(batched):
     """F3 (issue 38): the same request and seed gave other text on a warm server and beside another
     request. Each position's draw is fixed by the seed: twice on a warm server, and alone or
@@ -374,7 +426,8 @@ def test_sigterm_lets_the_request_in_flight_finish_and_exits(smollm2):
             proc.kill()
 
 
-@pytest.mark.parametrize("flag, value", [("--max-batch", "0"), ("--policy-hold", "-1"), ("--max-queue", "0")])
+@pytest.mark.parametrize("flag, value", [("--max-batch", "0"), ("--policy-hold", "-1"), ("--max-queue", "0"),
+                                         ("--max-model-len", "1")])
 def test_bad_serve_flags_are_clear_errors_before_loading(flag, value, capsys):
     from graft_tk.cli import serve
     assert serve.main(["--model", NAME, flag, value]) == 2

@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=1,
                    help="requests decoded together, one target forward per step for all (continuous batching); "
                         "1 decodes one at a time (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help="most tokens of one request, prompt + answer: the KV caches are one pool of --max-batch rows "
+                        "of this many tokens, allocated at start-up and never grown; longer requests get a 400 "
+                        "(default: the model's context, at most 4096)")
     p.add_argument("--policy-hold", type=int, default=8, metavar="STEPS",
                    help="a batch plans its N, tau and D for the most requests of the last STEPS steps, so the "
                         "gap between a client's requests does not switch the policy (default: %(default)s)")
@@ -75,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(f"--max-queue must be >= 1, got {args.max_queue}")
         if args.max_batch < 1:
             raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
+        if args.max_model_len is not None and args.max_model_len < 2:
+            raise InputError(f"--max-model-len must be >= 2 tokens, got {args.max_model_len}")
         if args.policy_hold < 0:
             raise InputError(f"--policy-hold must be >= 0 steps, got {args.policy_hold}")
         if not 0 <= args.port < 65536:
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = ", ".join(f"from {b}: N={c.budget} tau={c.tau:.3g} D={c.max_depth}" for b, c in policy.items())
     try:
         scheduler = Scheduler(target, drafter, method, config, args.max_queue, Metrics(), args.max_batch, policy,
-                              hold=args.policy_hold)
+                              hold=args.policy_hold, max_model_len=args.max_model_len)
     except GraftError as e:   # e.g. a batch of an EAGLE-3 head's requests
         print(f"graft-serve: error: {e}", file=sys.stderr)
         return 2
@@ -116,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     host, port = sock.getsockname()[:2]
     logging.getLogger("graft_tk.server").info(
-        "serving %s (%s, %s weights, config: %s, batches of up to %d%s) at http://%s:%d/v1", name, method,
-        target.quant, source, args.max_batch, f"; by batch size {plan}" if plan else "", host, port)
+        "serving %s (%s, %s weights, config: %s, batches of up to %d%s, %d tokens per request) at http://%s:%d/v1",
+        name, method, target.quant, source, args.max_batch, f"; by batch size {plan}" if plan else "",
+        scheduler.max_model_len, host, port)
     # uvicorn handles SIGTERM / SIGINT while it runs and raises them again after its shutdown; these
     # handlers take that second delivery, so the process ends with the cleanup below and status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

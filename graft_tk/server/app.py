@@ -57,7 +57,7 @@ def create_app(scheduler: Scheduler, served_name: str) -> Starlette:
             if req.model != served_name:
                 raise APIError(404, f"the model '{req.model}' does not exist here; this server serves "
                                     f"'{served_name}' (GET /v1/models)", param="model", code="model_not_found")
-            ids = _prompt_ids(target, req)
+            ids = _prompt_ids(target, req, scheduler.max_model_len)
             job = Job(req, ids, target, asyncio.get_running_loop())
             scheduler.submit(job)
         except APIError as e:
@@ -106,8 +106,8 @@ def create_app(scheduler: Scheduler, served_name: str) -> Starlette:
 START = time.time()
 
 
-def _prompt_ids(target: Model, req: Request) -> list[int]:
-    tok, context = target.tokenizer, target.config.max_position_embeddings
+def _prompt_ids(target: Model, req: Request, max_model_len: int) -> list[int]:
+    tok = target.tokenizer
     if req.kind == "chat":
         if tok.chat_template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -125,10 +125,10 @@ def _prompt_ids(target: Model, req: Request) -> list[int]:
         if bad:
             raise APIError(400, f"token ids must be in [0, {target.config.vocab_size}); got e.g. {bad[:3]}",
                            param="prompt")
-    if len(ids) + req.max_tokens > context:
-        raise APIError(400, f"this model's maximum context length is {context} tokens; the prompt has {len(ids)} "
-                            f"and max_tokens asks for {req.max_tokens} more: shorten the prompt or lower max_tokens",
-                       param="max_tokens", code="context_length_exceeded")
+    if len(ids) + req.max_tokens > max_model_len:
+        raise APIError(400, f"this server's maximum context length is {max_model_len} tokens (--max-model-len); the "
+                            f"prompt has {len(ids)} and max_tokens asks for {req.max_tokens} more: shorten the prompt "
+                            "or lower max_tokens", param="max_tokens", code="context_length_exceeded")
     return ids
 
 

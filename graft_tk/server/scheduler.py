@@ -26,6 +26,7 @@ from .metrics import Metrics
 from .protocol import APIError, Request
 
 log = logging.getLogger("graft_tk.server")
+DEFAULT_MAX_MODEL_LEN = 4096   # tokens per request (prompt + answer) when --max-model-len is not given
 
 
 class Job:
@@ -46,11 +47,17 @@ class Job:
 
     # --- decode thread
     def on_tokens(self, new: list[int]) -> bool:
-        """Take committed tokens; True stops decoding (a stop string, or the client went away)."""
-        if self.cancelled.is_set():
+        """Take committed tokens; True stops decoding (a stop string, the client went away, or this
+        job's own code raised: it fails alone, the step and the batch go on)."""
+        if self.cancelled.is_set() or self.error is not None:
             return True
-        self.tokens += new
-        text, stopped = self._cut(self._tokenizer.decode(self.tokens))
+        try:
+            self.tokens += new
+            text, stopped = self._cut(self._tokenizer.decode(self.tokens))
+        except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode these ids
+            log.exception("request %s: its tokens could not be turned into text", self.id)
+            self.error = e
+            return True
         if stopped:
             self.text, self.finish_reason = text, "stop"
         else:
@@ -84,7 +91,9 @@ class Job:
 
     def finish(self, stats: dict) -> None:
         self.stats = stats
-        if self.finish_reason is None:
+        if self.error is not None:
+            self.finish_reason = "error"
+        elif self.finish_reason is None:
             if self.cancelled.is_set():
                 self.finish_reason = "cancelled"
             else:
@@ -123,14 +132,17 @@ class Scheduler:
     ``max_batch`` together (continuous batching)."""
 
     def __init__(self, target: Model, drafter, method: str, config, max_queue: int, metrics: Metrics,
-                 max_batch: int = 1, policy: dict | None = None, hold: int = 8):
+                 max_batch: int = 1, policy: dict | None = None, hold: int = 8, max_model_len: int | None = None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.target, self.drafter, self.method, self.metrics = target, drafter, method, metrics
         self.engine = Engine(target, drafter, config)
+        # The KV caches are one pool of max_batch rows of max_model_len tokens (prompt + answer),
+        # allocated here and never grown: a longer request is a 400, memory never creeps up.
+        self.max_model_len = max_model_len or min(DEFAULT_MAX_MODEL_LEN, target.config.max_position_embeddings)
         # policy: batch size -> config (N, tau and D by batch size, graft-calibrate --batch B), planned
         # for the most requests of the last ``hold`` steps (graft_tk.batch.Batch)
-        self.batch = Batch(self.engine, max_batch, policy, hold)
+        self.batch = Batch(self.engine, max_batch, policy, hold, self.max_model_len)
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._thread = threading.Thread(target=self._serve, name="graft-decode", daemon=True)
         self._accepting = True
@@ -178,40 +190,66 @@ class Scheduler:
                 continue
             try:
                 finished = batch.step()
-            except Exception as e:  # noqa: BLE001 - a failed step fails its jobs, never the server
-                log.exception("a step failed; failing its %d requests", len(batch))
-                for request in list(batch.rows):
-                    batch.cancel(request)
-                    job = self._job_of.pop(id(request))
-                    del self.running[job.id]
-                    job.fail(e)
-                    self.metrics.observe(job)
+            except Exception:  # noqa: BLE001 - a failed step fails the request that made it fail, never the server
+                log.exception("a step of %d requests failed; they rejoin one at a time", len(batch))
+                self._recover()
                 continue
-            self.metrics.observe_step(batch.last_step)
-            for request in finished:
-                job = self._job_of.pop(id(request))
-                del self.running[job.id]
-                self._finish(job, request.finish())
+            self._stepped(finished)
 
-    def _join(self, job: Job) -> None:
+    def _stepped(self, finished) -> None:
+        self.metrics.observe_step(self.batch.last_step)
+        for request in finished:
+            job = self._job_of.pop(id(request))
+            del self.running[job.id]
+            self._finish(job, request.finish())
+
+    def _recover(self) -> None:
+        """After a failed step: which request made it fail is not known, so every request of the step
+        leaves the batch and rejoins it one at a time, each from the tokens it has (a prefill of
+        prompt + answer so far; a seeded draw depends on its position only, so the answer goes on as
+        it would have), followed by one step. The request whose rejoining makes that step fail again
+        is failed with the error (a 500 to its client); the others go on decoding."""
+        jobs = [self._job_of.pop(id(r)) for r in self.batch.rows]
+        for r in list(self.batch.rows):
+            self.batch.cancel(r)
+        for job in jobs:
+            del self.running[job.id]
+            request = self._join(job)
+            if request is None:
+                continue
+            try:
+                finished = self.batch.step()
+            except Exception as e:  # noqa: BLE001
+                log.exception("request %s failed a step of its own", job.id)
+                self.batch.cancel(request)
+                del self._job_of[id(request)], self.running[job.id]
+                job.fail(e)
+                self.metrics.observe(job)
+                continue
+            self._stepped(finished)
+
+    def _join(self, job: Job):
+        """Prefill ``job`` into the batch, from the tokens it has (none: a new request): its batch
+        request while it decodes, None when it finished or failed at once."""
         r = job.request
-        job.started = time.time()
+        job.started = job.started or time.time()
         self.running[job.id] = job
         self.peak_batch = max(self.peak_batch, len(self.running))
         try:   # nothing a request brings may escape into the decode thread
-            request = self.batch.add(job.prompt_ids, self.method, r.max_tokens, Sampling(r.temperature, r.top_p, r.seed),
-                                     job.on_tokens)
+            request = self.batch.add(job.prompt_ids + job.tokens, self.method, r.max_tokens - len(job.tokens),
+                                     Sampling(r.temperature, r.top_p, r.seed), job.on_tokens)
         except Exception as e:  # noqa: BLE001
             log.exception("request %s failed", job.id)
             del self.running[job.id]
             job.fail(e)
             self.metrics.observe(job)
-            return
+            return None
         if request.done:
             del self.running[job.id]
             self._finish(job, request.finish())
-        else:
-            self._job_of[id(request)] = job
+            return None
+        self._job_of[id(request)] = job
+        return request
 
     def _finish(self, job: Job, stats: dict) -> None:
         job.finish(stats)
