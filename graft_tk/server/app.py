@@ -51,7 +51,7 @@ def create_app(scheduler: Scheduler, served_name: str) -> Starlette:
         try:
             try:
                 body = json.loads(await http.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            except (ValueError, RecursionError) as e:   # not JSON or not UTF-8, nested too deep, too many digits
                 raise APIError(400, f"the request body is not valid JSON: {e}") from None
             req = parse_request(body, kind)
             if req.model != served_name:
@@ -72,7 +72,6 @@ def create_app(scheduler: Scheduler, served_name: str) -> Starlette:
                 if await http.is_disconnected():
                     job.cancel()            # frees the decode thread after its current step
                     return Response(status_code=499)
-        _log(job)
         if job.error is not None:
             return error(APIError(500, f"decoding failed: {type(job.error).__name__}: {job.error}",
                                   type="server_error"))
@@ -182,7 +181,6 @@ async def _events(job: Job, served_name: str):
                             "usage": _usage(job)})
                 yield "data: [DONE]\n\n"
                 break
-        _log(job)
     finally:
         if not job.done:
             job.cancel()
@@ -190,15 +188,6 @@ async def _events(job: Job, served_name: str):
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
-
-
-def _log(job: Job) -> None:
-    s = job.stats
-    seconds = (job.finished or time.time()) - job.created
-    log.info("%s %s %s prompt=%d completion=%d finish=%s %.2fs queue=%.2fs %.1f tok/s mat=%.2f",
-             job.id, job.request.kind, "stream" if job.request.stream else "block", len(job.prompt_ids),
-             len(job.tokens), job.finish_reason, seconds, (job.started or job.created) - job.created,
-             s.get("tokens_per_s", 0.0), s.get("mat", 0.0))
 
 
 @contextlib.contextmanager

@@ -224,7 +224,7 @@ class Scheduler:
                 self.batch.cancel(request)
                 del self._job_of[id(request)], self.running[job.id]
                 job.fail(e)
-                self.metrics.observe(job)
+                self._ended(job)
                 continue
             self._stepped(finished)
 
@@ -242,7 +242,7 @@ class Scheduler:
             log.exception("request %s failed", job.id)
             del self.running[job.id]
             job.fail(e)
-            self.metrics.observe(job)
+            self._ended(job)
             return None
         if request.done:
             del self.running[job.id]
@@ -253,7 +253,16 @@ class Scheduler:
 
     def _finish(self, job: Job, stats: dict) -> None:
         job.finish(stats)
+        self._ended(job)
+
+    def _ended(self, job: Job) -> None:
+        """Every job ends here, once, whatever its end: counted, and one log line with its id."""
         self.metrics.observe(job)
+        s = job.stats
+        log.info("%s %s %s prompt=%d completion=%d finish=%s %.2fs queue=%.2fs %.1f tok/s mat=%.2f",
+                 job.id, job.request.kind, "stream" if job.request.stream else "block", len(job.prompt_ids),
+                 len(job.tokens), job.finish_reason, job.finished - job.created,
+                 (job.started or job.finished) - job.created, s.get("tokens_per_s", 0.0), s.get("mat", 0.0))
 
     def shutdown(self, grace: float) -> None:
         """Stop accepting; let queued and running jobs finish for ``grace`` seconds, then cancel the rest."""
