@@ -48,7 +48,8 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
     x = body.get(name, default)
     if x is None:
         return default
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+    # an int too large for a float (JSON has no limit) is compared exactly, never converted first
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or (isinstance(x, float) and not math.isfinite(x)):
         raise _bad(name, f"expected a number, got {x!r}")
     if x > hi or x < lo or (lo_open and x == lo):
         raise _bad(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {x}")
@@ -82,6 +83,16 @@ def _unsupported(body: dict) -> None:
             raise _bad(name, "is not supported by graft-serve (it would change the output distribution)")
 
 
+def _encodable(param: str, text: str) -> str:
+    """``text`` if it is valid Unicode; JSON's \\ud800-style escapes can smuggle in lone surrogates,
+    which no tokenizer (and no UTF-8 answer echoing them) takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(param, f"is not valid Unicode (a lone surrogate at character {e.start})") from None
+    return text
+
+
 def _prompt(body: dict, kind: str):
     if kind == "chat":
         messages = body.get("messages")
@@ -91,7 +102,8 @@ def _prompt(body: dict, kind: str):
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise _bad(f"messages[{i}]", "expected an object with a string 'role' and a string 'content'")
-            out.append({"role": m["role"], "content": m["content"]})
+            out.append({"role": _encodable(f"messages[{i}].role", m["role"]),
+                        "content": _encodable(f"messages[{i}].content", m["content"])})
         if not any(m["content"].strip() for m in out):
             raise _bad("messages", "every message is empty")
         return tuple(out)
@@ -99,6 +111,7 @@ def _prompt(body: dict, kind: str):
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]                              # a batch of one text
     if isinstance(prompt, str):
+        _encodable("prompt", prompt)
         if not prompt.strip():
             raise _bad("prompt", "is empty")
         return prompt
@@ -116,6 +129,7 @@ def parse_request(body, kind: str) -> Request:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model", "expected the model's name (GET /v1/models lists it)")
+    _encodable("model", model)
     _unsupported(body)
     prompt = _prompt(body, kind)
     max_tokens = _int(body, "max_tokens", None)
