@@ -126,7 +126,7 @@ VALID_EXTRAS = {
 
 @st.composite
 def valid_body(draw, kind: str) -> dict:
-    """A body graft-serve must answer 200: the served model, a short prompt, 1..8 new tokens."""
+    """A body graft-serve must answer 200: the served model, a short prompt, 1..4 new tokens."""
     body = {"model": NAME, "max_tokens": draw(st.integers(1, 4)), "stream": draw(st.booleans())}
     if kind == "chat":
         body["messages"] = draw(st.lists(MESSAGE, min_size=1, max_size=3))
