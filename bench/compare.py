@@ -259,7 +259,7 @@ def _entry(rows: list[dict], ar_tok_s: dict, ar_decode: dict) -> dict:
              "decode_speedup": statistics.median(decode_ratios) if decode_ratios else None,
              "exact": {"compared": len(exact), "mismatches": exact.count(False)} if exact else None,
              "mat": None, "drafter_forwards_per_step": None, "accepted_per_step": None,
-             "expected_accepted_per_step": None, "time_split": None}
+             "accepted_per_step_by_source_depth": None, "expected_accepted_per_step": None, "time_split": None}
     if rows[0]["kind"] == "anchor":
         return entry     # HF generate reports none of the counts below
     steps = sum(s.get("steps", 0) for s in stats)
@@ -274,6 +274,13 @@ def _entry(rows: list[dict], ar_tok_s: dict, ar_decode: dict) -> dict:
                 for src, n in s.get("accepted_by_source", {}).items():
                     accepted[src] = accepted.get(src, 0) + n
             entry["accepted_per_step"] = {src: n / steps for src, n in accepted.items()}
+            by_depth: dict[str, dict[int, int]] = {}
+            for s in stats:
+                for src, depths in s.get("accepted_by_source_depth", {}).items():
+                    for d, n in depths.items():
+                        by_depth.setdefault(src, {})[int(d)] = by_depth.get(src, {}).get(int(d), 0) + n
+            entry["accepted_per_step_by_source_depth"] = {
+                src: {d: n / steps for d, n in sorted(depths.items())} for src, depths in by_depth.items()}
             expected: dict[str, float] = {}
             for s in stats:
                 for src, x in s.get("expected_accepted_by_source", {}).items():
@@ -306,14 +313,16 @@ def acceptance_table(summary: dict) -> str:
     """Estimate vs observed, per method and source (all prompts): the accepted nodes per step the
     acceptance estimates predicted for the trees verified (before each step's outcome), and the
     accepted nodes per step counted."""
-    lines = ["| method | source | expected accepted/step | observed accepted/step | observed / expected |",
-             "|---|---|---|---|---|"]
+    lines = ["| method | source | expected accepted/step | observed accepted/step | observed / expected "
+             "| observed by tree depth |", "|---|---|---|---|---|---|"]
     for m, e in summary["all"].items():
         expected, observed = e.get("expected_accepted_per_step") or {}, e.get("accepted_per_step") or {}
+        by_depth = e.get("accepted_per_step_by_source_depth") or {}
         for src in sorted(expected):
             obs = observed.get(src, 0.0)
             ratio = f"{obs / expected[src]:.2f}" if expected[src] > 0 else "n.a."
-            lines.append(f"| {m} | {src} | {expected[src]:.3f} | {obs:.3f} | {ratio} |")
+            depths = ", ".join(f"{d}: {n:.2f}" for d, n in by_depth.get(src, {}).items()) or "none"
+            lines.append(f"| {m} | {src} | {expected[src]:.3f} | {obs:.3f} | {ratio} | {depths} |")
     return "\n".join(lines)
 
 

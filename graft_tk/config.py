@@ -16,6 +16,9 @@ class GraftConfig:
                             # choice where drafting does not pay: retrieval and prompt lookup only)
     retrieval_k: int = 8    # k: successors kept per token in the adjacency matrix M[V, k]
     template: tuple[int, ...] = (8, 21, 25, 15, 8, 3)  # retrieval template: nodes per level (TR's 80)
+    # retrieval template grafted beneath the best drafted node of every depth (graft_tk.sources.adjacency);
+    # (): retrieval at the root only
+    tip_template: tuple[int, ...] = (2, 1, 1)
     warm_from_prefill: bool = True  # fill M from the prompt's logits before the first step
     pld_tokens: int = 10    # prompt-lookup chain length (the *pld methods)
     pld_max_ngram: int = 3  # longest suffix n-gram looked up (down to 1)
@@ -40,7 +43,10 @@ class GraftConfig:
                f"pld_tokens must be an int >= 1, got {self.pld_tokens!r}")
         _check(isinstance(self.pld_max_ngram, int) and self.pld_max_ngram >= 1,
                f"pld_max_ngram must be an int >= 1, got {self.pld_max_ngram!r}")
+        _check(all(isinstance(s, int) and s >= 1 for s in self.tip_template),
+               f"tip_template must be a tuple of positive level sizes (or empty), got {self.tip_template!r}")
         object.__setattr__(self, "template", tuple(self.template))
+        object.__setattr__(self, "tip_template", tuple(self.tip_template))
         if isinstance(self.cost, dict):     # from a profile's JSON
             object.__setattr__(self, "cost", StepCost(**self.cost))
         if isinstance(self.priors, dict):

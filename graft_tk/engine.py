@@ -47,7 +47,6 @@ class Engine:
         # The grafted sources, created as the first request that uses each arrives (``source``).
         self.sources: list = []
         self.cand_parents = torch.zeros(0, dtype=torch.int32, device=device)
-        self.cand_source = torch.zeros(0, dtype=torch.int8, device=device)
         # With the device's cost model: the drafting depth chosen per step by expected gain (one request).
         self.policy = StepPolicy(config.cost, config.top_k) if config.cost is not None else None
         self.draft_rates_host = host_read(self.draft_rates.rate()) if self.policy is not None else None
@@ -71,15 +70,15 @@ class Engine:
                 return s
         config = self.config
         made = GRAFTED[name](config, self.ops, self.device, config.priors, vocab_size=self.target.config.vocab_size)
-        made.rates.decay = self.draft_rates.decay
+        for rates in made.rate_tables:
+            rates.decay = self.draft_rates.decay
         self.sources = sorted(self.sources + [made], key=lambda s: list(GRAFTED).index(s.name))
         # The grafted candidates' fixed layout: the sources' templates concatenated (parents shifted).
-        parents, codes, at = [], [], 0
+        parents, at = [], 0
         for s in self.sources:
             parents.append(torch.where(s.parents < 0, -1, s.parents + at))
-            codes.append(torch.full_like(s.parents, s.code, dtype=torch.int8))
             at += s.parents.shape[0]
-        self.cand_parents, self.cand_source = torch.cat(parents).to(torch.int32), torch.cat(codes)
+        self.cand_parents = torch.cat(parents).to(torch.int32)
         return made
 
     def check_request(self, ids: Sequence[int], method: Method, max_new_tokens: int) -> list[int]:
@@ -135,7 +134,7 @@ class Engine:
 
     def set_decay(self, decay: float) -> None:
         """Every rate's per-step decay (1: count everything, as a calibration run does)."""
-        for rates in [s.rates for s in self.sources] + [self.draft_rates]:
+        for rates in [r for s in self.sources for r in s.rate_tables] + [self.draft_rates]:
             rates.decay = decay
 
     def estimates_summary(self) -> dict:

@@ -23,6 +23,7 @@ class RequestStats:
         self.prefill_seconds = 0.0
         self.seconds: Counter = Counter()     # by phase
         self.nodes, self.accepted, self.accepted_by_depth = Counter(), Counter(), Counter()
+        self.accepted_by_source_depth: Counter = Counter()    # (source name, depth) -> accepted nodes
         # Per step: nodes verified, drafter forwards, tokens committed.
         self.per_step: dict[str, list[int]] = {"nodes": [], "drafter_forwards": [], "committed": []}
         # Expected accepted nodes per source code (the estimates' prediction, before each outcome).
@@ -44,6 +45,7 @@ class RequestStats:
         for src, depth in zip(path_source[1:1 + n_nodes], path_depth[1:1 + n_nodes]):
             self.accepted[SOURCE_NAMES[src]] += 1
             self.accepted_by_depth[depth] += 1
+            self.accepted_by_source_depth[SOURCE_NAMES[src], depth] += 1
 
     def record_counters(self, counters: StepCounters) -> None:
         launched = Counter(counters.launches)
@@ -72,6 +74,8 @@ class RequestStats:
                                             if code != ROOT and self.nodes[SOURCE_NAMES[code]]},
             "per_step": self.per_step,
             "accepted_by_depth": {int(k): v for k, v in sorted(self.accepted_by_depth.items())},
+            "accepted_by_source_depth": {src: {int(d): n for (s, d), n in sorted(self.accepted_by_source_depth.items())
+                                               if s == src} for src in sorted(self.accepted)},
             "time_split": {k: self.seconds[k] for k in PHASES},
             "backend": self.backend,
             # Triton kernel launches per step outside the model forwards; None on the torch backend.

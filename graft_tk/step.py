@@ -167,19 +167,26 @@ def _propose(engine, rows: list[Request], context: Tensor, config: GraftConfig, 
     clock.lap("draft")
     if N == 1:                          # plain decoding: the root alone
         return _root_only(roots), pool, [], clock
+    pool_values = None
     view = StepView(roots, context[:B], length)
+    if pool.tokens.shape[1]:
+        pool_values = engine.draft_rates.values(pool.scores)
+        view = view._replace(pool_tokens=pool.tokens, pool_parents=pool.parents, pool_depth=pool.depth,
+                             pool_n=pool.n, pool_values=pool_values)
     proposals = []
     for source in engine.sources:
         uses = torch.tensor([r.method.uses(source.name) for r in rows], device=device)[:, None]
         cand = source.propose(view)
         proposals.append((source, cand._replace(tokens=torch.where(uses, cand.tokens, -1))))
-    cand_tokens = torch.cat([torch.zeros(B, 0, dtype=torch.long, device=device)] + [c.tokens for _, c in proposals], 1)
-    cand_values = torch.cat([torch.zeros(B, 0, device=device)] + [c.values for _, c in proposals], 1)
-    pool_values = engine.draft_rates.values(pool.scores) if pool.tokens.shape[1] else None
+    empty = torch.zeros(B, 0, device=device)
+    cand_tokens = torch.cat([empty.long()] + [c.tokens for _, c in proposals], 1)
+    cand_values = torch.cat([empty] + [c.values for _, c in proposals], 1)
+    cand_source = torch.cat([empty.to(torch.int8)] + [
+        c.source if c.source is not None else torch.full_like(c.tokens, s.code, dtype=torch.int8)
+        for s, c in proposals], 1)
     built = ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, roots,
                            torch.tensor(log_tau, dtype=torch.float32, device=device), cand_tokens,
-                           engine.cand_parents, engine.cand_source, N,
-                           pool_values, cand_values)
+                           engine.cand_parents, cand_source, N, pool_values, cand_values)
     clock.lap("retrieve")
     return built, pool, proposals, clock
 

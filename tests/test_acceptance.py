@@ -30,7 +30,8 @@ def test_isotonic_fit_equals_pool_adjacent_violators():
 
 
 def adjacency(levels=(2, 2)):
-    return AdjacencySource(GraftConfig(retrieval_k=2, template=levels), OPS, "cpu", vocab_size=16)
+    """Retrieval at the root only (the tip grafts: tests/test_retrieval.py)."""
+    return AdjacencySource(GraftConfig(retrieval_k=2, template=levels, tip_template=()), OPS, "cpu", vocab_size=16)
 
 
 def lookup(pld_tokens=3, pld_max_ngram=2):

@@ -102,6 +102,7 @@ def test_stats_report_sources_depths_and_time(smollm2, self_drafter):
     assert s["mat"] == pytest.approx((len(r.tokens) - 1) / s["steps"])
     assert set(s["nodes_by_source"]) <= {"draft", "retrieval", "prompt_lookup"} and s["nodes_by_source"].get("draft", 0) > 0
     assert sum(s["accepted_by_source"].values()) == sum(s["accepted_by_depth"].values())
+    assert {src: sum(d.values()) for src, d in s["accepted_by_source_depth"].items()} == s["accepted_by_source"]
     assert set(s["time_split"]) == {"draft", "retrieve", "verify", "commit"}
     assert s["drafter_forwards_per_step"] >= 1
 

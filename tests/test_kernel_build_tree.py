@@ -409,3 +409,23 @@ def test_a_chain_under_a_drafted_node_is_valued_through_that_node():
     assert out.tokens.tolist() == [1, 10, 20, -1] and out.source.tolist() == [ROOT, DRAFT, RETRIEVAL, -1]
     assert torch.allclose(out.values[:3].exp().cpu(), torch.tensor([1.0, 0.9, 0.45]))
     assert out.values[3] == -math.inf
+
+
+def test_per_row_candidate_sources():
+    """cand_source [B, C]: each row its own codes (the adjacency source re-proposes a row's drafted
+    path as DRAFT, then its retrieved continuation). A candidate that brings back a drafted token
+    the pruning cut gets its row's code; kernel = reference."""
+    tokens, parents = torch.tensor([10, 11]), torch.tensor([-1, 0])
+    scores, depths = torch.tensor([-0.1, -3.0]), torch.tensor([1, 2])
+    cand, cpar = torch.tensor([10, 11, 30]), torch.tensor([-1, 0, 1], dtype=torch.int32)
+    csrc = torch.tensor([[DRAFT, DRAFT, RETRIEVAL], [RETRIEVAL, RETRIEVAL, RETRIEVAL]], dtype=torch.int8)
+    args = on_device(torch.stack([tokens, tokens]), torch.stack([parents, parents]), torch.stack([scores, scores]),
+                     torch.stack([depths, depths]), torch.tensor([2, 2]), torch.tensor([1, 1]),
+                     torch.tensor([-1.0, -1.0]), torch.stack([cand, cand]), cpar, csrc, 6)
+    got, want = build_tree_kernel(*args), build_tree(*args)
+    for name in FIELDS:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    # node 11 was pruned (score -3 < log tau -1): the candidate restores it, with its row's code
+    assert want.tokens[:, :4].tolist() == [[1, 10, 11, 30]] * 2
+    assert want.source[0, :4].tolist() == [ROOT, DRAFT, DRAFT, RETRIEVAL]
+    assert want.source[1, :4].tolist() == [ROOT, DRAFT, RETRIEVAL, RETRIEVAL]

@@ -1,4 +1,7 @@
-"""Token Recycling: successor-matrix updates, templates (graft_tk.adjacency), root-parallel retrieval."""
+"""Token Recycling: successor-matrix updates, templates (graft_tk.adjacency), root-parallel retrieval,
+and the adjacency source's grafts at the drafter's tips."""
+import math
+
 import pytest
 import torch
 
@@ -149,3 +152,43 @@ def test_update_matches_sequential_writes():
     for i in order.tolist():
         expected[tokens[i]] = torch.topk(logits[i], 3).indices.to(torch.int32)
     assert torch.equal(update_adjacency(new_adjacency(V, 3), tokens, logits, order), expected)
+
+
+def test_tips_graft_retrieval_beneath_the_best_drafted_node_of_each_depth():
+    """The adjacency source's tip blocks: per drafted depth d, the path to the best node of that
+    depth (marked DRAFT, valued by the drafter's estimates given the parent), then M's template
+    beneath it; build_tree puts the path on the drafted nodes and the continuation below them."""
+    from graft_tk.config import GraftConfig
+    from graft_tk.ops import ops_for
+    from graft_tk.reference.build_tree import build_tree
+    from graft_tk.sources import StepView
+    from graft_tk.sources.adjacency import AdjacencySource
+    from graft_tk.tree import DRAFT, RETRIEVAL
+    source = AdjacencySource(GraftConfig(template=(1,), tip_template=(1, 1), max_depth=2, retrieval_k=K),
+                             ops_for("torch", "cpu"), "cpu", vocab_size=V)
+    source.matrix[1] = torch.tensor([4, 5], dtype=torch.int32)      # root 1 -> 4
+    source.matrix[10] = torch.tensor([6, 7], dtype=torch.int32)     # depth-1 tip 10 -> 6 -> 8
+    source.matrix[6] = torch.tensor([8, 9], dtype=torch.int32)
+    source.matrix[12] = torch.tensor([13, 7], dtype=torch.int32)    # depth-2 tip 12 -> 13 -> (none)
+    # pool: 10 (P .9), 11 (P .05) at depth 1; 12 under 10 (P .8) at depth 2; past n: garbage
+    pool = dict(pool_tokens=torch.tensor([[10, 11, 12, 3]]), pool_parents=torch.tensor([[-1, -1, 0, 0]]),
+                pool_depth=torch.tensor([[1, 1, 2, 2]]), pool_n=torch.tensor([3]),
+                pool_values=torch.tensor([[0.9, 0.05, 0.8, 1.0]]).log())
+    view = StepView(torch.tensor([1]), torch.tensor([[1]]), torch.tensor([1]), **pool)
+    cand = source.propose(view)
+    # root template [4]; block 1: [10 | 6, 8]; block 2: [10, 12 | 13, -1]
+    assert cand.tokens.tolist() == [[4, 10, 6, 8, 10, 12, 13, -1]]
+    assert cand.source.tolist() == [[RETRIEVAL, DRAFT, RETRIEVAL, RETRIEVAL, DRAFT, DRAFT, RETRIEVAL, RETRIEVAL]]
+    assert source.parents.tolist() == [-1, -1, 1, 2, -1, 4, 5, 6]
+    assert torch.allclose(cand.values[0, [1, 4, 5]].exp(), torch.tensor([0.9, 0.9, 0.8 / 0.9]))
+    built = build_tree(pool["pool_tokens"], pool["pool_parents"], pool["pool_values"], pool["pool_depth"],
+                       pool["pool_n"], torch.tensor([1]), torch.tensor([-math.inf]), cand.tokens,
+                       source.parents, cand.source, 8, pool["pool_values"], cand.values)
+    n = int(built.n_nodes[0])
+    tree = list(zip(built.tokens[0, :n].tolist(), built.parents[0, :n].tolist(), built.source[0, :n].tolist()))
+    node = {tok: i for i, (tok, _, _) in enumerate(tree)}
+    assert tree[node[12]][1] == node[10] and tree[node[12]][2] == DRAFT          # drafted, not re-added
+    assert tree[node[13]][1] == node[12] and tree[node[13]][2] == RETRIEVAL      # M below the depth-2 tip
+    assert tree[node[6]][1] == node[10] and tree[node[8]][1] == node[6]          # and below the depth-1 tip
+    # no drafted pool: the tip blocks are empty
+    assert (source.propose(StepView(torch.tensor([1]), torch.tensor([[1]]), torch.tensor([1]))).tokens[0, 1:] == -1).all()

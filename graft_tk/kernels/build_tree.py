@@ -51,7 +51,7 @@ _RANK_TILE = 2048   # pool-rank compares per step: P_PAD * BLOCK_J
 
 @triton.jit
 def _build_tree_kernel(
-    # pointers: inputs (per row, but cand_parents and cand_source: every row alike)
+    # pointers: inputs (per row, but cand_parents: every row alike)
     pool_tokens_ptr, pool_parents_ptr, pool_scores_ptr, pool_values_ptr, pool_depth_ptr, n_pool_ptr, root_ptr,
     log_tau_ptr, cand_tokens_ptr, cand_parents_ptr, cand_source_ptr, cand_values_ptr,
     # pointers: outputs, then per-row scratch: int32 [2, S_PAD], float32 [S_PAD], union int64 [2, U_PAD], float32 [U_PAD]
@@ -71,6 +71,7 @@ def _build_tree_kernel(
     pool_values_ptr += b * P
     pool_depth_ptr += b * P
     cand_tokens_ptr += b * C
+    cand_source_ptr += b * C
     cand_values_ptr += b * C
     tokens_ptr += b * N
     parents_ptr += b * N
@@ -278,12 +279,13 @@ def build_tree(pool_tokens: torch.Tensor, pool_parents: torch.Tensor, pool_score
         raise ValueError(f"pool tensors must be [B, P] of one shape, got {list(pool_tokens.shape)}")
     if n_pool.shape != (B,) or roots.shape != (B,) or log_tau.shape != (B,):
         raise ValueError(f"n_pool, roots and log_tau must be [B={B}]")
-    if cand_tokens.shape != (B, C) or cand_parents.shape != (C,) or cand_source.shape != (C,):
-        raise ValueError(f"cand_tokens must be [B={B}, C], cand_parents and cand_source [C={C}]")
+    if cand_tokens.shape != (B, C) or cand_parents.shape != (C,) or cand_source.shape not in ((C,), (B, C)):
+        raise ValueError(f"cand_tokens must be [B={B}, C], cand_parents [C={C}], cand_source [C] or [B, C]")
     if pool_values is not None and pool_values.shape != (B, P):
         raise ValueError(f"pool_values must be [B={B}, P={P}], got {list(pool_values.shape)}")
     if cand_values is not None and cand_values.shape != (B, C):
         raise ValueError(f"cand_values must be [B={B}, C={C}], got {list(cand_values.shape)}")
+    cand_source = cand_source.expand(B, C)
     dev = pool_tokens.device
     tensors = (pool_parents, pool_scores, pool_depth, cand_tokens, cand_parents, cand_source, n_pool, roots, log_tau,
                pool_values, cand_values)

@@ -172,7 +172,8 @@ def build_tree(pool_tokens: Tensor, pool_parents: Tensor, pool_scores: Tensor, p
     log_tau : float32 [B]           keep pool entries scoring >= log_tau (-inf: keep all)
     cand_tokens : int64 [B, C]      grafted candidates, -1 = missing (e.g. prompt-lookup chain + template)
     cand_parents : int32 [C]        -1 = child of the root, else an earlier candidate index (every row alike)
-    cand_source : int8 [C]          source code of each candidate (RETRIEVAL, PROMPT_LOOKUP)
+    cand_source : int8 [C] or [B, C] source code of each candidate (DRAFT, RETRIEVAL, PROMPT_LOOKUP),
+                                    every row alike or each row its own
     budget_n : int                  N, nodes in each tree including the root, >= 1
     pool_values : float32 [B, P]    estimated log P(accepted) of each pool entry (None: all 0)
     cand_values : float32 [B, C]    estimated log P(accepted | parent accepted) of each candidate (None: all 0)
@@ -196,15 +197,16 @@ def build_tree(pool_tokens: Tensor, pool_parents: Tensor, pool_scores: Tensor, p
         raise ValueError(f"pool tensors must be [B, P] of one shape, got {list(pool_tokens.shape)}")
     if n_pool.shape != (B,) or roots.shape != (B,) or log_tau.shape != (B,):
         raise ValueError(f"n_pool, roots and log_tau must be [B={B}]")
-    if cand_tokens.shape != (B, C) or cand_parents.shape != (C,) or cand_source.shape != (C,):
-        raise ValueError(f"cand_tokens must be [B={B}, C], cand_parents and cand_source [C={C}]")
+    if cand_tokens.shape != (B, C) or cand_parents.shape != (C,) or cand_source.shape not in ((C,), (B, C)):
+        raise ValueError(f"cand_tokens must be [B={B}, C], cand_parents [C={C}], cand_source [C] or [B, C]")
+    cand_source = cand_source.expand(B, C)
     if pool_values is not None and pool_values.shape != (B, P):
         raise ValueError(f"pool_values must be [B={B}, P={P}], got {list(pool_values.shape)}")
     if cand_values is not None and cand_values.shape != (B, C):
         raise ValueError(f"cand_values must be [B={B}, C={C}], got {list(cand_values.shape)}")
     n_host, tau_host = n_pool.tolist(), log_tau.tolist()
     rows = [_build_row(pool_tokens[b], pool_parents[b], pool_scores[b], pool_depth[b], n_host[b], roots[b],
-                       tau_host[b], cand_tokens[b], cand_parents, cand_source, budget_n,
+                       tau_host[b], cand_tokens[b], cand_parents, cand_source[b], budget_n,
                        None if pool_values is None else pool_values[b],
                        None if cand_values is None else cand_values[b]) for b in range(B)]
     return BuiltTree(*(torch.stack(field) for field in zip(*rows)))

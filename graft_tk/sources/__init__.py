@@ -25,18 +25,27 @@ class StepView(NamedTuple):
     roots: Tensor      # int64 [B]: each row's last committed token (the tree's root)
     context: Tensor    # int64 [B, L]: each row's committed tokens, context[b, :length[b]]
     length: Tensor     # int64 [B]
+    # This step's drafted candidates (``graft_tk.drafting.DraftPool``; None: no row drafted):
+    pool_tokens: Tensor | None = None   # int64 [B, P]
+    pool_parents: Tensor | None = None  # int64 [B, P]: -1 = child of the root, else an earlier entry
+    pool_depth: Tensor | None = None    # int64 [B, P]: root children 1
+    pool_n: Tensor | None = None        # int64 [B]: valid entries of each row
+    pool_values: Tensor | None = None   # float32 [B, P]: each entry's estimated log P(its path accepted)
 
 
 class Candidates(NamedTuple):
     tokens: Tensor             # int64 [B, C]: -1 = no candidate there this step
     values: Tensor             # float32 [B, C]: log P(accepted | its parent accepted)
     note: Tensor | None = None  # what ``observe`` needs back (prompt lookup: the matched n-gram length)
+    source: Tensor | None = None  # int8 [B, C]: the source code of each candidate (None: the source's
+                                  # own code for all; a source re-proposing drafted nodes marks them DRAFT)
 
 
 class CandidateSource(Protocol):
     name: str          # as methods name it (graft_tk.methods.SOURCES)
     code: int          # the ``Tree.source`` code of the nodes it adds
     parents: Tensor    # int32 [C]: template parent of each candidate
+    rate_tables: tuple  # its ``graft_tk.acceptance.Rates`` (the engine sets their decay)
 
     def propose(self, view: StepView) -> Candidates:
         """This step's candidates for every row."""

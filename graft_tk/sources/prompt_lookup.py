@@ -29,6 +29,10 @@ class PromptLookupSource:
         # rates [G, L]: P(chain position d accepted | position d - 1 accepted, matched n-gram g + 1)
         self.rates = Rates(prior[:, None].expand(G, L).clone(), weight[:, None].expand(G, L).clone())
 
+    @property
+    def rate_tables(self) -> tuple[Rates, ...]:
+        return (self.rates,)
+
     def propose(self, view: StepView) -> Candidates:
         chain, ngram = self.ops.prompt_lookup(view.context, view.length, self.max_ngram, 1, self.length)
         return Candidates(chain, self.rates.rate().log()[self._row(ngram)], ngram)
