@@ -22,7 +22,7 @@ from .methods import Method, method as as_method
 from .models import Model
 from .models.eagle3 import Eagle3Head
 from .ops import ops_for
-from .policy import StepPolicy
+from .policy import DraftGate, StepPolicy
 from .sampling import Sampling
 from .sources import GRAFTED, AdjacencySource
 from .tree import BuiltTree
@@ -49,6 +49,8 @@ class Engine:
         self.cand_parents = torch.zeros(0, dtype=torch.int32, device=device)
         # With the device's cost model: the drafting depth chosen per step by expected gain (one request).
         self.policy = StepPolicy(config.cost, config.top_k) if config.cost is not None else None
+        # Drafting skipped where prompt lookup already proposes what the drafter would add (one request).
+        self.draft_gate = DraftGate()
         self.draft_rates_host = host_read(self.draft_rates.rate()) if self.policy is not None else None
         # Set to a list to record, per verified node, (source, depth, drafter score, accepted?):
         # graft-calibrate fits its score -> acceptance map from it. Off by default (a host read per step).

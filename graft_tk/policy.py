@@ -81,3 +81,34 @@ class StepPolicy:
         if drafted:
             self.drafted_accepted = RATE_DECAY * self.drafted_accepted + drafted_accepted
             self.drafting_steps = RATE_DECAY * self.drafting_steps + 1
+
+
+class DraftGate:
+    """Draft less where the free sources already propose: whether a request decoding alone runs
+    the drafter this step, given the tokens prompt lookup is expected to have accepted
+    (``free``, from its chain's acceptance estimates). The drafter runs while the tokens it is
+    expected to add beyond those, E[drafted accepted per drafting step] - free, pay for its
+    forwards at the rate the decode reaches so far: >= R * (its seconds per step), with R the
+    committed tokens per second (Dinkelbach's rule, as ``StepPolicy``, on times measured online
+    here, since no cost model is needed for it; they change the speed, never the output). Every
+    ``EXPLORE_EVERY``-th step drafts anyway, so the drafter's estimate stays current."""
+
+    def __init__(self):
+        self.tokens = self.seconds = 0.0
+        self.draft_accepted = self.draft_steps = self.draft_seconds = 0.0
+        self.steps_without_drafting = 0
+
+    def drafts(self, free: float) -> bool:
+        if self.draft_steps < PRIOR_STEPS or self.steps_without_drafting + 1 >= EXPLORE_EVERY:
+            return True
+        extra = self.draft_accepted / self.draft_steps - free
+        return extra >= (self.tokens / self.seconds) * (self.draft_seconds / self.draft_steps)
+
+    def observe(self, committed: int, seconds: float, draft_seconds: float, drafted: bool, drafted_accepted: int) -> None:
+        self.tokens = RATE_DECAY * self.tokens + committed
+        self.seconds = RATE_DECAY * self.seconds + seconds
+        self.steps_without_drafting = 0 if drafted else self.steps_without_drafting + 1
+        if drafted:
+            self.draft_accepted = RATE_DECAY * self.draft_accepted + drafted_accepted
+            self.draft_steps = RATE_DECAY * self.draft_steps + 1
+            self.draft_seconds = RATE_DECAY * self.draft_seconds + draft_seconds

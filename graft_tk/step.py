@@ -128,9 +128,12 @@ def decode_step(engine, rows: list[Request], context: Tensor, config: GraftConfi
         N = config.budget if any(r.method.speculates for r in rows) else 1
         built, pool, proposals, clock = _propose(engine, rows, context, config, N)
         outcome = _verify_and_commit(engine, rows, context, built, clock)
-        _settle(engine, rows, built, pool, proposals, outcome, clock)
+        drafted_accepted = _settle(engine, rows, built, pool, proposals, outcome, clock)
     record = StepRecord(len(rows), N, time.perf_counter() - t0, sum(len(r.out) for r in rows) - committed_before,
                         counters)
+    if N > 1 and _gated(engine, rows):
+        engine.draft_gate.observe(record.tokens, record.seconds, clock.step.get("draft", 0.0), pool.forwards[0] > 0,
+                                  drafted_accepted[0])
     for r in rows:
         r.stats.record_counters(counters)
     return record
@@ -141,11 +144,13 @@ class _Clock:
 
     def __init__(self, rows: list[Request]):
         self.rows, self.t = rows, time.perf_counter()
+        self.step: dict[str, float] = {}     # this step's seconds by phase
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
         for r in self.rows:
             r.stats.seconds[phase] += now - self.t
+        self.step[phase] = now - self.t
         self.t = now
 
 
@@ -160,6 +165,14 @@ def _propose(engine, rows: list[Request], context: Tensor, config: GraftConfig, 
     if policy is not None:   # the cost model's depth threshold (one request: the model is per request)
         log_tau = [policy.depth_log_tau(engine.draft_rates_host, SCORE_EDGES, log_tau[0])]
     drafts = [r.method.drafts and N > 1 for r in rows]
+    view = StepView(roots, context[:B], length)
+    early = {}     # proposals made before drafting (the gate reads them)
+    if _gated(engine, rows) and drafts[0]:
+        # draft less where prompt lookup already proposes: its chain's expected accepted tokens
+        # against what the drafter is expected to add (graft_tk.policy.DraftGate; one host read)
+        early["prompt_lookup"] = cand = engine.source("prompt_lookup").propose(view)
+        p = cand.values.exp().masked_fill(cand.tokens < 0, 0.0)
+        drafts[0] = engine.draft_gate.drafts(host_read(p.cumprod(1).sum(1))[0])
     pool = DraftPool.empty(B, device)
     if any(drafts) and config.max_depth > 0 and (policy is None or policy.should_draft()):
         pool = engine.drafter.draft(DraftRequest(context[:B], [r.length for r in rows], drafts, log_tau,
@@ -168,7 +181,6 @@ def _propose(engine, rows: list[Request], context: Tensor, config: GraftConfig, 
     if N == 1:                          # plain decoding: the root alone
         return _root_only(roots), pool, [], clock
     pool_values = None
-    view = StepView(roots, context[:B], length)
     if pool.tokens.shape[1]:
         pool_values = engine.draft_rates.values(pool.scores)
         view = view._replace(pool_tokens=pool.tokens, pool_parents=pool.parents, pool_depth=pool.depth,
@@ -176,7 +188,7 @@ def _propose(engine, rows: list[Request], context: Tensor, config: GraftConfig, 
     proposals = []
     for source in engine.sources:
         uses = torch.tensor([r.method.uses(source.name) for r in rows], device=device)[:, None]
-        cand = source.propose(view)
+        cand = early[source.name] if source.name in early else source.propose(view)
         proposals.append((source, cand._replace(tokens=torch.where(uses, cand.tokens, -1))))
     empty = torch.zeros(B, 0, device=device)
     cand_tokens = torch.cat([empty.long()] + [c.tokens for _, c in proposals], 1)
@@ -189,6 +201,11 @@ def _propose(engine, rows: list[Request], context: Tensor, config: GraftConfig, 
                            engine.cand_parents, cand_source, N, pool_values, cand_values)
     clock.lap("retrieve")
     return built, pool, proposals, clock
+
+
+def _gated(engine, rows: list[Request]) -> bool:
+    """A request decoding alone whose method prunes and has prompt lookup beside the drafter."""
+    return len(rows) == 1 and rows[0].method.prune and rows[0].method.uses("prompt_lookup")
 
 
 def _root_only(roots: Tensor) -> BuiltTree:
@@ -243,9 +260,10 @@ def _verify_and_commit(engine, rows: list[Request], context: Tensor, built: Buil
 
 
 def _settle(engine, rows: list[Request], built: BuiltTree, pool: DraftPool, proposals: list, outcome: _Outcome,
-            clock: _Clock) -> None:
+            clock: _Clock) -> list[int]:
     """The sources count the outcome; the step's ONE host read; then, on the host, every row's
-    new tokens (cut at EOS and its limit), streaming, stats; the drafter's commit."""
+    new tokens (cut at EOS and its limit), streaming, stats; the drafter's commit. Returns each
+    row's accepted drafted nodes."""
     B, N = built.tokens.shape
     path, on_path = outcome.path, outcome.on_path
     if pool.tokens.shape[1]:
@@ -282,11 +300,13 @@ def _settle(engine, rows: list[Request], built: BuiltTree, pool: DraftPool, prop
         path_slots.append(slots[row])
     if engine.acceptance_log is not None:
         engine.log_acceptance(built, on_path)
+    drafted_accepted = [source[b * N + 1:b * N + n_path[b]].count(DRAFT) for b in range(B)]
     if engine.policy is not None and B == 1:
         r = rows[0]
         engine.policy.observe(r.stats.per_step["committed"][-1], N, pool.widths, drafted=pool.forwards[0] > 0,
-                              drafted_accepted=source[1:n_path[0]].count(DRAFT))
+                              drafted_accepted=drafted_accepted[0])
     if engine.drafter is not None and any(r.method.drafts for r in rows):
         # 9. the drafter keeps the KV of accepted drafted nodes (an EAGLE-3 head: the path's features)
         engine.drafter.commit(path, n_path, path_slots, node_slots, outcome.features, engine.ops)
     clock.lap("commit")
+    return drafted_accepted

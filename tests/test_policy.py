@@ -16,7 +16,7 @@ from graft_tk.decode import encode_prompt
 from graft_tk.engine import Engine
 from graft_tk.errors import CorruptFileError, InputError
 from graft_tk.methods import METHODS
-from graft_tk.policy import EXPLORE_EVERY, StepPolicy
+from graft_tk.policy import EXPLORE_EVERY, PRIOR_STEPS, DraftGate, StepPolicy
 from graft_tk.profiles import profile_key, read_profile, write_profile
 
 from .conftest import real_prompts
@@ -75,6 +75,31 @@ def test_drafting_is_skipped_while_it_does_not_pay_and_retried_every_few_steps()
         policy.observe(committed=1, verified=1, draft_widths=(1,) if choices[-1] else (), drafted=choices[-1],
                        drafted_accepted=0)
     assert choices == ([False] * (EXPLORE_EVERY - 1) + [True]) * 2
+
+
+def test_the_gate_drafts_only_where_the_drafter_adds_more_than_prompt_lookup_pays_for():
+    gate = DraftGate()
+    assert gate.drafts(free=100.0)                       # nothing measured yet: draft
+    for _ in range(int(PRIOR_STEPS) + 1):               # 4 drafted tokens per step, 0.2 s of 0.3 s drafting
+        gate.observe(committed=5, seconds=0.3, draft_seconds=0.2, drafted=True, drafted_accepted=4)
+    # R = 5 / 0.3 tokens/s; the drafter costs 0.2 s: it must add >= 3.33 tokens beyond prompt lookup
+    assert gate.drafts(free=0.0) and not gate.drafts(free=1.0)
+    for _ in range(EXPLORE_EVERY - 1):                  # skipping: every EXPLORE_EVERY-th step drafts anyway
+        assert not gate.drafts(free=3.0)
+        gate.observe(committed=4, seconds=0.1, draft_seconds=0.0, drafted=False, drafted_accepted=0)
+    assert gate.drafts(free=3.0)
+
+
+def test_graft_pld_skips_the_drafter_where_prompt_lookup_proposes_and_equals_ar(smollm2, self_drafter):
+    """A list to repeat: prompt lookup proposes it, the (weak) drafter adds little, so most steps
+    skip it; the tokens are ar's."""
+    ids = encode_prompt(smollm2, "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape, "
+                                 "honeydew, kiwi, lemon, mango, nectarine. Now repeat it again:", chat=True)
+    want = graft_tk.decode(smollm2, ids, max_new_tokens=48).tokens
+    got = graft_tk.decode(smollm2, ids, drafter=self_drafter, method="graft+pld", max_new_tokens=48)
+    forwards = got.stats["per_step"]["drafter_forwards"]
+    assert got.tokens == want
+    assert forwards.count(0) > len(forwards) // 2 and max(forwards) > 0
 
 
 # --------------------------------------------------------------------------- lossless while adapting
