@@ -21,7 +21,8 @@ for the B rows at once:
 Shapes are the batch's: B rows, N nodes per tree (the largest budget of the step's methods; a
 row's unused places are padding, never accepted), so the device work of a step is the same
 program whatever the trees hold. Host reads: one per step, plus one per drafter depth when a row
-prunes (``StepCounters`` counts them, and the launches, per step).
+prunes, plus one when a request decoding alone asks the ``DraftGate`` whether to draft
+(``StepCounters`` counts them, and the launches, per step).
 """
 from __future__ import annotations
 
