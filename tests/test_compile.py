@@ -59,7 +59,8 @@ def test_every_method_compiled_equals_ar(target, drafter, prompt):
         got = graft_tk.decode(target, ids, drafter=drafter if METHODS[method].drafts else None, method=method,
                               config=GraftConfig(), max_new_tokens=24, compile=True)
         assert got.tokens == ref.tokens, method
-        assert got.stats["host_syncs_per_step"] <= 1 + got.stats.get("drafter_forwards_per_step", 0), method
+        gate = METHODS[method].prune and METHODS[method].uses("prompt_lookup")    # the draft gate's read
+        assert got.stats["host_syncs_per_step"] <= 1 + gate + got.stats.get("drafter_forwards_per_step", 0), method
 
 
 def test_a_compiled_batch_equals_each_request_alone(target, drafter):

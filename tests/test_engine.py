@@ -110,7 +110,8 @@ def test_stats_report_sources_depths_and_time(smollm2, self_drafter):
 def test_host_reads_per_step_are_counted_and_bounded(smollm2, self_drafter):
     # Each device -> host read stalls a GPU step: one per step for the outcome, and for a method
     # that prunes one per drafter depth whose stop flags decide the next forward (every forward
-    # but the last when it runs the full depth D).
+    # but the last when it runs the full depth D); with prompt lookup beside the drafter, one more
+    # for the draft gate (and a drafter skipped by it catches up in its next forward, unread).
     ids = encode_prompt(smollm2, "Count from one to twenty: one, two, three,", chat=False)
     ref = graft_tk.decode(smollm2, ids, max_new_tokens=16)
     assert ref.stats["host_syncs_per_step"] == 1.0
@@ -120,7 +121,9 @@ def test_host_reads_per_step_are_counted_and_bounded(smollm2, self_drafter):
         r = graft_tk.decode(smollm2, ids, method=method, engine=engine, max_new_tokens=16)
         assert r.tokens == ref.tokens, method
         reads = r.stats["host_syncs_per_step"]
-        if m.prune:
+        if m.prune and m.uses("prompt_lookup"):
+            assert reads - 2 <= r.stats["drafter_forwards_per_step"], method
+        elif m.prune:
             forwards = r.stats["drafter_forwards_per_step"]
             assert forwards - 1 <= reads - 1 <= forwards, method
         else:

@@ -116,7 +116,8 @@ def test_adaptive_methods_equal_ar_while_the_depth_changes(smollm2, self_drafter
         assert len(set(per_step["drafter_forwards"])) > 1, (method, per_step)
         assert set(per_step["nodes"]) == {16} and max(per_step["drafter_forwards"]) <= GraftConfig().max_depth
         reads, forwards = got.stats["host_syncs_per_step"], got.stats["drafter_forwards_per_step"]
-        assert reads <= 1 + forwards + 1e-9, method
+        gate = METHODS[method].uses("prompt_lookup")     # the draft gate's read
+        assert reads <= 1 + gate + forwards + 1e-9, method
 
 
 def test_a_dear_drafter_drafts_less(smollm2, self_drafter):
