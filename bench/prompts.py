@@ -79,7 +79,8 @@ def jsonl_rows(path: Path, expected: str):
 
 
 def load_jsonl(path: Path, default_category: str = "custom") -> list[Prompt]:
-    """Spec-Bench rows (``turns``: the first turn is the prompt) or rows with a ``prompt`` field."""
+    """Spec-Bench rows (``turns``: the first turn is the prompt; its MT-bench topics are one
+    ``mt_bench`` category) or rows with a ``prompt`` field (their ``category`` as written)."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"prompt file {path} does not exist")
@@ -89,7 +90,7 @@ def load_jsonl(path: Path, default_category: str = "custom") -> list[Prompt]:
         if not isinstance(text, str) or not text.strip():
             raise InputError(f"{path}:{lineno}: needs a non-empty 'prompt' string or a 'turns' list")
         category = row.get("category", default_category)
-        if category in MT_BENCH_CATEGORIES:
+        if "turns" in row and category in MT_BENCH_CATEGORIES:   # Spec-Bench files MT-bench by topic
             category = "mt_bench"
         out.append(Prompt(str(row.get("question_id", row.get("id", lineno))), category, text))
     if not out:

@@ -175,9 +175,12 @@ def test_compile_both_runs_every_method_eager_and_compiled(smollm2, monkeypatch)
         bench.Plan(smollm2, None, GraftConfig(), ("ar",), prompts, 4, compile="yes")
 
 
-def test_prompt_sources_mix_and_mt_bench_round_robin():
+def test_prompt_sources_mix_and_mt_bench_round_robin(tmp_path):
     from graft_tk.bench.prompts import load_prompts, spec_bench_path
     assert [p.category for p in load_prompts("math#2,humaneval#1")] == ["math", "math", "humaneval"]
+    mine = tmp_path / "mine.jsonl"     # a file of one's own keeps its categories (math is an MT-bench topic too)
+    mine.write_text('{"category": "math", "prompt": "1 + 1?"}\n{"prompt": "Hi"}\n')
+    assert [p.category for p in load_prompts(str(mine))] == ["math", "custom"]
     if spec_bench_path() is None and os.environ.get("GRAFT_TK_REQUIRE_DATA") != "1":
         pytest.skip("Spec-Bench's question.jsonl not found (GRAFT_TK_SPEC_BENCH)")
     # MT-bench questions 81-160, 10 per category: #K takes them one category at a time
