@@ -85,30 +85,39 @@ class StepPolicy:
 
 class DraftGate:
     """Draft less where the free sources already propose: whether a request decoding alone runs
-    the drafter this step, given the tokens prompt lookup is expected to have accepted
-    (``free``, from its chain's acceptance estimates). The drafter runs while the tokens it is
-    expected to add beyond those, E[drafted accepted per drafting step] - free, pay for its
-    forwards at the rate the decode reaches so far: >= R * (its seconds per step), with R the
-    committed tokens per second (Dinkelbach's rule, as ``StepPolicy``, on times measured online
-    here, since no cost model is needed for it; they change the speed, never the output). Every
-    ``EXPLORE_EVERY``-th step drafts anyway, so the drafter's estimate stays current."""
+    the drafter this step. Two situations are told apart by ``free``, the tokens prompt lookup's
+    chain is expected to have accepted (from its acceptance estimates): a match (>= ``MATCH``) or
+    none. In each, the gate keeps the committed tokens per second of the steps that drafted and of
+    those that did not (decayed; times measured online: they change the speed, never the output)
+    and takes the faster; the other is tried every ``EXPLORE_EVERY``-th step of that situation,
+    and drafting is the default until both have been seen. A drafted node that prompt lookup
+    proposed too counts as the drafter's, so the drafter's own acceptance overstates what it
+    adds; the rates measure what a step gains from it."""
+
+    MATCH = 1.0
 
     def __init__(self):
-        self.tokens = self.seconds = 0.0
-        self.draft_accepted = self.draft_steps = self.draft_seconds = 0.0
-        self.steps_without_drafting = 0
+        # [situation][drafted]: decayed committed tokens and seconds
+        self.tokens = [[0.0, 0.0], [0.0, 0.0]]
+        self.seconds = [[0.0, 0.0], [0.0, 0.0]]
+        self.since = [0, 0]          # steps of each situation since the arm not taken was tried
+        self._last = 0
 
     def drafts(self, free: float) -> bool:
-        if self.draft_steps < PRIOR_STEPS or self.steps_without_drafting + 1 >= EXPLORE_EVERY:
+        k = self._last = int(free >= self.MATCH)
+        if not self.seconds[k][1]:         # draft first, then try once without
             return True
-        extra = self.draft_accepted / self.draft_steps - free
-        return extra >= (self.tokens / self.seconds) * (self.draft_seconds / self.draft_steps)
+        if not self.seconds[k][0]:
+            return False
+        rate = [self.tokens[k][d] / self.seconds[k][d] for d in (0, 1)]
+        best = rate[1] >= rate[0]
+        self.since[k] += 1
+        if self.since[k] >= EXPLORE_EVERY:
+            self.since[k] = 0
+            return not best
+        return best
 
-    def observe(self, committed: int, seconds: float, draft_seconds: float, drafted: bool, drafted_accepted: int) -> None:
-        self.tokens = RATE_DECAY * self.tokens + committed
-        self.seconds = RATE_DECAY * self.seconds + seconds
-        self.steps_without_drafting = 0 if drafted else self.steps_without_drafting + 1
-        if drafted:
-            self.draft_accepted = RATE_DECAY * self.draft_accepted + drafted_accepted
-            self.draft_steps = RATE_DECAY * self.draft_steps + 1
-            self.draft_seconds = RATE_DECAY * self.draft_seconds + draft_seconds
+    def observe(self, committed: int, seconds: float, drafted: bool) -> None:
+        k, d = self._last, int(drafted)       # the situation of the last ``drafts`` call
+        self.tokens[k][d] = RATE_DECAY * self.tokens[k][d] + committed
+        self.seconds[k][d] = RATE_DECAY * self.seconds[k][d] + seconds

@@ -129,12 +129,11 @@ def decode_step(engine, rows: list[Request], context: Tensor, config: GraftConfi
         N = config.budget if any(r.method.speculates for r in rows) else 1
         built, pool, proposals, clock = _propose(engine, rows, context, config, N)
         outcome = _verify_and_commit(engine, rows, context, built, clock)
-        drafted_accepted = _settle(engine, rows, built, pool, proposals, outcome, clock)
+        _settle(engine, rows, built, pool, proposals, outcome, clock)
     record = StepRecord(len(rows), N, time.perf_counter() - t0, sum(len(r.out) for r in rows) - committed_before,
                         counters)
     if N > 1 and _gated(engine, rows):
-        engine.draft_gate.observe(record.tokens, record.seconds, clock.step.get("draft", 0.0), pool.forwards[0] > 0,
-                                  drafted_accepted[0])
+        engine.draft_gate.observe(record.tokens, record.seconds, pool.forwards[0] > 0)
     for r in rows:
         r.stats.record_counters(counters)
     return record
@@ -145,13 +144,11 @@ class _Clock:
 
     def __init__(self, rows: list[Request]):
         self.rows, self.t = rows, time.perf_counter()
-        self.step: dict[str, float] = {}     # this step's seconds by phase
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
         for r in self.rows:
             r.stats.seconds[phase] += now - self.t
-        self.step[phase] = now - self.t
         self.t = now
 
 
@@ -261,10 +258,9 @@ def _verify_and_commit(engine, rows: list[Request], context: Tensor, built: Buil
 
 
 def _settle(engine, rows: list[Request], built: BuiltTree, pool: DraftPool, proposals: list, outcome: _Outcome,
-            clock: _Clock) -> list[int]:
+            clock: _Clock) -> None:
     """The sources count the outcome; the step's ONE host read; then, on the host, every row's
-    new tokens (cut at EOS and its limit), streaming, stats; the drafter's commit. Returns each
-    row's accepted drafted nodes."""
+    new tokens (cut at EOS and its limit), streaming, stats; the drafter's commit."""
     B, N = built.tokens.shape
     path, on_path = outcome.path, outcome.on_path
     if pool.tokens.shape[1]:
@@ -301,13 +297,11 @@ def _settle(engine, rows: list[Request], built: BuiltTree, pool: DraftPool, prop
         path_slots.append(slots[row])
     if engine.acceptance_log is not None:
         engine.log_acceptance(built, on_path)
-    drafted_accepted = [source[b * N + 1:b * N + n_path[b]].count(DRAFT) for b in range(B)]
     if engine.policy is not None and B == 1:
         r = rows[0]
         engine.policy.observe(r.stats.per_step["committed"][-1], N, pool.widths, drafted=pool.forwards[0] > 0,
-                              drafted_accepted=drafted_accepted[0])
+                              drafted_accepted=source[1:n_path[0]].count(DRAFT))
     if engine.drafter is not None and any(r.method.drafts for r in rows):
         # 9. the drafter keeps the KV of accepted drafted nodes (an EAGLE-3 head: the path's features)
         engine.drafter.commit(path, n_path, path_slots, node_slots, outcome.features, engine.ops)
     clock.lap("commit")
-    return drafted_accepted
