@@ -58,17 +58,18 @@ def rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
-def start_server(argv: list[str]) -> tuple[subprocess.Popen, str, list[str]]:
-    """``graft-serve`` with ``argv`` on a free port: the process, its base URL, and its stderr lines
-    as they come (a thread keeps reading them)."""
+def start_server(argv: list[str]) -> tuple[subprocess.Popen, str, list[str], threading.Thread]:
+    """``graft-serve`` with ``argv`` on a free port: the process, its base URL, its stderr lines as
+    they come, and the thread that keeps reading them (it ends when the process does)."""
     proc = subprocess.Popen([sys.executable, "-m", "graft_tk.cli.serve", "--port", "0", "-v", *argv],
                             stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     for line in proc.stderr:
         lines.append(line)
         if m := re.search(r"at http://127\.0\.0\.1:(\d+)/v1", line):
-            threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
-            return proc, f"http://127.0.0.1:{m.group(1)}", lines
+            reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+            reader.start()
+            return proc, f"http://127.0.0.1:{m.group(1)}", lines, reader
     raise RuntimeError("graft-serve exited before it listened:\n" + "".join(lines[-20:]))
 
 
@@ -130,7 +131,7 @@ def send(http: httpx.Client, url: str, model: str, i: int, max_tokens: int, sigt
 def run(server_argv: list[str], model: str, clients: int = 16, requests: int = 64, max_tokens: int = 16,
         sigterm_after: int | None = None, warmup: int = 4, timeout: float = 600) -> dict:
     """The whole load against a fresh server (see the module docstring): outcomes, checks, figures."""
-    proc, url, log = start_server(server_argv)
+    proc, url, log, reader = start_server(server_argv)
     sigterm = threading.Event()
     try:
         with httpx.Client(timeout=timeout) as http:
@@ -167,7 +168,7 @@ def run(server_argv: list[str], model: str, clients: int = 16, requests: int = 6
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    time.sleep(0.2)                          # the stderr reader's last lines
+    reader.join(timeout=60)                  # the server's last log lines (its stderr has ended)
     t_end = t0 + wall
 
     def early(o: Outcome) -> bool:

@@ -53,8 +53,9 @@ def test_every_method_with_an_eagle3_head_equals_ar(smollm2, head, prompt):
         got = graft_tk.decode(smollm2, ids, drafter=head, method=method, max_new_tokens=16,
                                config=CONFIG)
         assert got.tokens == ref.tokens, method
-        if METHODS[method].drafts:
-            assert got.stats["drafter_forwards_per_step"] >= 1, method
+        if METHODS[method].drafts:   # (a pruning method with prompt lookup may skip the drafter: DraftGate)
+            gated = METHODS[method].prune and METHODS[method].uses("prompt_lookup")
+            assert got.stats["drafter_forwards_per_step"] >= (0.1 if gated else 1), method
             assert got.stats["nodes_by_source"].get("draft", 0) > 0, method
 
 
