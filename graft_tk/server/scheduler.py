@@ -222,9 +222,8 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001
                 log.exception("request %s failed a step of its own", job.id)
                 self.batch.cancel(request)
-                del self._job_of[id(request)], self.running[job.id]
-                job.fail(e)
-                self._ended(job)
+                del self._job_of[id(request)]
+                self._fail(job, e)
                 continue
             self._stepped(finished)
 
@@ -240,9 +239,7 @@ class Scheduler:
                                      Sampling(r.temperature, r.top_p, r.seed), job.on_tokens)
         except Exception as e:  # noqa: BLE001
             log.exception("request %s failed", job.id)
-            del self.running[job.id]
-            job.fail(e)
-            self._ended(job)
+            self._fail(job, e)
             return None
         if request.done:
             del self.running[job.id]
@@ -253,6 +250,12 @@ class Scheduler:
 
     def _finish(self, job: Job, stats: dict) -> None:
         job.finish(stats)
+        self._ended(job)
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        """A running job that raised: out of the running set, failed (a 500 to its client), ended."""
+        del self.running[job.id]
+        job.fail(error)
         self._ended(job)
 
     def _ended(self, job: Job) -> None:
