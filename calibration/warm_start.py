@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from graft_tk.tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL
+from graft_tk.tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, SUFFIX
 
 TAU_RANGE = (1e-3, 0.9)   # the search space's tau bounds; the suggestion is clipped into them
 
@@ -66,7 +66,7 @@ def suggest_tau(log: list[tuple[int, int, float, bool]], default_tau: float = 0.
     too little data for either, ``default_tau`` is returned unchanged.
     """
     drafted = [(d, s, a) for src, d, s, a in log if src == DRAFT and math.isfinite(s)]
-    retrieved = [a for src, _, _, a in log if src in (RETRIEVAL, PROMPT_LOOKUP)]
+    retrieved = [a for src, _, _, a in log if src in (RETRIEVAL, PROMPT_LOOKUP, SUFFIX)]
     by_depth: dict[int, list[bool]] = {}
     for d, _, a in drafted:
         by_depth.setdefault(d, []).append(a)

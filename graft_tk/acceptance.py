@@ -14,6 +14,9 @@ Each source keeps its own rates (``Rates``) and turns them into values for its c
 * prompt-lookup candidate at chain position d after a matched n-gram of length g
   (``graft_tk.sources.prompt_lookup``): P(accepted | the previous position accepted, g). Prior:
   longer matches are likelier (0.3 for g = 1, up to 0.7).
+* suffix-decoding candidate (``graft_tk.sources.suffix``): P(accepted | parent accepted) by
+  matched suffix length, support (how many of the chains run through the node) and depth. Prior:
+  prompt lookup's curve by match length, raised by each supporting occurrence.
 
 A grafted candidate is counted only when it made its own node (``outcome``): one whose token an
 earlier source already proposed adds nothing to the tree, and counting its acceptance, which is

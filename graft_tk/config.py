@@ -22,6 +22,11 @@ class GraftConfig:
     warm_from_prefill: bool = True  # fill M from the prompt's logits before the first step
     pld_tokens: int = 10    # prompt-lookup chain length (the *pld methods)
     pld_max_ngram: int = 3  # longest suffix n-gram looked up (down to 1)
+    # suffix decoding (the *suffix methods, graft_tk.sources.suffix): the longest suffix matched,
+    # the latest occurrences kept (one chain each), the tokens proposed after each
+    suffix_max_match: int = 8
+    suffix_chains: int = 4
+    suffix_tokens: int = 6
     # The device's cost model (graft-calibrate --cost-only). When set, a request of a method that
     # prunes, decoding alone, chooses whether to draft and how deep per step by expected gain
     # (graft_tk.policy); tau and max_depth become bounds. None: fixed.
@@ -43,6 +48,10 @@ class GraftConfig:
                f"pld_tokens must be an int >= 1, got {self.pld_tokens!r}")
         _check(isinstance(self.pld_max_ngram, int) and self.pld_max_ngram >= 1,
                f"pld_max_ngram must be an int >= 1, got {self.pld_max_ngram!r}")
+        for name in ("suffix_max_match", "suffix_chains", "suffix_tokens"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                   f"{name} must be an int >= 1, got {value!r}")
         _check(all(isinstance(s, int) and s >= 1 for s in self.tip_template),
                f"tip_template must be a tuple of positive level sizes (or empty), got {self.tip_template!r}")
         object.__setattr__(self, "template", tuple(self.template))

@@ -49,7 +49,8 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
         "tree" (drafter only, fixed depth), "pruned" (drafter, dynamic depth), "retrieval"
         (adjacency matrix only), "graft" (pruned drafter tree + adjacency-matrix candidates in the
         freed budget), "pld" (prompt lookup only), and "graft+pld", "tree+pld", "retrieval+pld"
-        (prompt lookup as one more source); ``graft_tk.methods``. Several sources share the
+        (prompt lookup as one more source), "suffix" (suffix decoding only) and "graft+suffix"
+        (graft+pld with suffix decoding); ``graft_tk.methods``. Several sources share the
         budget by estimated acceptance (``graft_tk.acceptance``).
     drafter: a Model with the target's tokenizer (e.g. load_model(name, num_layers=L)), or an
         EAGLE-3 head for this target (``load_eagle3(path, target)``), drafting from the target's features.

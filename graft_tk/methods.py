@@ -7,6 +7,8 @@ The sources (``graft_tk.sources``; the drafter is ``graft_tk.drafting``):
     draft          the drafter's token tree (EAGLE-2 style expansion, top-K per depth)
     adjacency      root-parallel retrieval from the token-successor matrix M (Token Recycling)
     prompt_lookup  the tokens that followed the last n-gram's latest earlier occurrence
+    suffix         suffix decoding: what followed the latest occurrences of the longest repeated
+                   suffix, several continuations merged into a trie
 
 Whenever a method has several sources, the budget goes to the candidates likeliest to be accepted
 (``graft_tk.acceptance`` estimates it online; ``build_tree`` allocates). ``prune``: drafting
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 from .errors import InputError
 
-SOURCES = ("draft", "adjacency", "prompt_lookup")
+SOURCES = ("draft", "adjacency", "prompt_lookup", "suffix")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("graft+pld", ("draft", "adjacency", "prompt_lookup"), prune=True),
     Method("tree+pld", ("draft", "prompt_lookup")),
     Method("retrieval+pld", ("adjacency", "prompt_lookup")),
+    Method("suffix", ("suffix",)),                                        # suffix decoding
+    Method("graft+suffix", ("draft", "adjacency", "prompt_lookup", "suffix"), prune=True),
 )}
 
 

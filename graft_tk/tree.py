@@ -47,7 +47,9 @@ ROOT = 0
 DRAFT = 1
 RETRIEVAL = 2
 PROMPT_LOOKUP = 3
-SOURCE_NAMES = {ROOT: "root", DRAFT: "draft", RETRIEVAL: "retrieval", PROMPT_LOOKUP: "prompt_lookup"}
+SUFFIX = 4
+SOURCE_NAMES = {ROOT: "root", DRAFT: "draft", RETRIEVAL: "retrieval", PROMPT_LOOKUP: "prompt_lookup",
+                SUFFIX: "suffix"}
 
 _DTYPES = {"tokens": torch.int64, "parents": torch.int32, "depth": torch.int32,
            "source": torch.int8, "scores": torch.float32}
@@ -66,7 +68,7 @@ class Tree:
     depth : Tensor, int32 [N]
         Distance from the root (root 0).
     source : Tensor, int8 [N]
-        ``ROOT`` / ``DRAFT`` / ``RETRIEVAL`` / ``PROMPT_LOOKUP``.
+        ``ROOT`` / ``DRAFT`` / ``RETRIEVAL`` / ``PROMPT_LOOKUP`` / ``SUFFIX``.
     scores : Tensor, float32 [N]
         Drafter cumulative log-prob; 0 for the root, -inf for nodes the drafter did not propose.
     """
@@ -200,8 +202,8 @@ class Tree:
             if depth[i] != depth[p] + 1:
                 raise ValueError(f"node {i} has depth {depth[i]} but its parent {p} has depth {depth[p]}")
             if source[i] not in SOURCE_NAMES or source[i] == ROOT:
-                raise ValueError(f"node {i} has source {source[i]}; non-root nodes need DRAFT, RETRIEVAL or "
-                                 f"PROMPT_LOOKUP ({DRAFT}, {RETRIEVAL}, {PROMPT_LOOKUP})")
+                raise ValueError(f"node {i} has source {source[i]}; non-root nodes need DRAFT, RETRIEVAL, "
+                                 f"PROMPT_LOOKUP or SUFFIX ({DRAFT}, {RETRIEVAL}, {PROMPT_LOOKUP}, {SUFFIX})")
             key = (p, tokens[i])
             if key in seen:
                 raise ValueError(f"nodes {seen[key]} and {i} are both children of node {p} with token "
@@ -240,7 +242,7 @@ class BuiltTree(NamedTuple):
     tokens: Tensor      # int64 [B, N]
     parents: Tensor     # int32 [B, N]  -1 for the root
     depth: Tensor       # int32 [B, N]
-    source: Tensor      # int8 [B, N]   ROOT / DRAFT / RETRIEVAL / PROMPT_LOOKUP (cand_source)
+    source: Tensor      # int8 [B, N]   ROOT / DRAFT / RETRIEVAL / PROMPT_LOOKUP / SUFFIX (cand_source)
     scores: Tensor      # float32 [B, N] drafter score; 0 root, -inf grafted nodes
     pool_index: Tensor  # int64 [B, N]  pool entry of each drafted node, -1 otherwise
     mask: Tensor        # int32 [B, N, ceil(N/32)] ancestor bits (``pack_mask``'s layout)

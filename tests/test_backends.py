@@ -46,9 +46,10 @@ PROMPT = [5, 17, 3, 99, 5, 17, 3, 42, 7, 5, 17]   # repeats, so prompt lookup ha
 PROMPTS = [PROMPT, [8, 8, 9], PROMPT[3:] + [11] * 9, [200, 1, 2, 3, 200, 1]]   # ragged: 11, 3, 17, 6 tokens
 
 
-# tree+pld and retrieval+pld run the same ops as tree, retrieval and graft+pld (the Triton
-# interpreter is slow: each method costs a minute here)
-@pytest.mark.parametrize("method", ["ar"] + [m for m in SPECULATIVE if m not in ("tree+pld", "retrieval+pld")])
+# tree+pld, retrieval+pld and graft+suffix run the same ops as tree, retrieval, graft+pld and
+# suffix (the Triton interpreter is slow: each method costs a minute here)
+@pytest.mark.parametrize("method", ["ar"] + [m for m in SPECULATIVE
+                                             if m not in ("tree+pld", "retrieval+pld", "graft+suffix")])
 def test_triton_backend_gives_the_torch_backend_tokens(pair, method):
     target, drafter = pair
     kw = dict(drafter=drafter, method=method, max_new_tokens=16, config=CONFIG)

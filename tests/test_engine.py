@@ -185,6 +185,8 @@ def test_depth_zero_decodes_without_the_drafter(smollm2, self_drafter):
     (dict(budget=0), "budget"), (dict(tau=0.0), "tau"), (dict(tau=1.5), "tau"), (dict(top_k=0), "top_k"),
     (dict(max_depth=-1), "max_depth"), (dict(retrieval_k=0), "retrieval_k"), (dict(template=()), "template"),
     (dict(pld_tokens=0), "pld_tokens"), (dict(pld_max_ngram=0), "pld_max_ngram"),
+    (dict(suffix_max_match=0), "suffix_max_match"), (dict(suffix_chains=0), "suffix_chains"),
+    (dict(suffix_tokens=0), "suffix_tokens"),
 ])
 def test_bad_config_is_a_clear_error(kwargs, message):
     with pytest.raises(InputError, match=message):

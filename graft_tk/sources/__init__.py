@@ -36,7 +36,8 @@ class StepView(NamedTuple):
 class Candidates(NamedTuple):
     tokens: Tensor             # int64 [B, C]: -1 = no candidate there this step
     values: Tensor             # float32 [B, C]: log P(accepted | its parent accepted)
-    note: Tensor | None = None  # what ``observe`` needs back (prompt lookup: the matched n-gram length)
+    note: Tensor | None = None  # what ``observe`` needs back (prompt lookup: the matched n-gram length;
+                                # suffix: each candidate's rate cell)
     source: Tensor | None = None  # int8 [B, C]: the source code of each candidate (None: the source's
                                   # own code for all; a source re-proposing drafted nodes marks them DRAFT)
 
@@ -57,7 +58,12 @@ class CandidateSource(Protocol):
 
 from .adjacency import AdjacencySource  # noqa: E402  (the protocol above is what they implement)
 from .prompt_lookup import PromptLookupSource  # noqa: E402
+from .suffix import SuffixSource  # noqa: E402
 
-GRAFTED = {"prompt_lookup": PromptLookupSource, "adjacency": AdjacencySource}
+# Order: an earlier source owns a token two propose (its node, its counts). Prompt lookup first:
+# its chain, its rates and the DraftGate reading them stay as they were beside suffix decoding, whose
+# counts are then what it adds; both before M's candidates, which match the text less closely.
+GRAFTED = {"prompt_lookup": PromptLookupSource, "suffix": SuffixSource, "adjacency": AdjacencySource}
 
-__all__ = ["CandidateSource", "Candidates", "StepView", "GRAFTED", "AdjacencySource", "PromptLookupSource"]
+__all__ = ["CandidateSource", "Candidates", "StepView", "GRAFTED", "AdjacencySource", "PromptLookupSource",
+           "SuffixSource"]
