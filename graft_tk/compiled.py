@@ -5,9 +5,15 @@ forward. Compiled, it runs that forward under ``torch.compile(fullgraph=True)`` 
 key bound set to the whole static cache, so no shape and no Python value depends on the context
 length: one graph for a target's verify at the batch's shape, one for a one-token ``ar`` step; a
 drafter, whose forwards change width (the committed tokens it has not seen, the frontier), is
-compiled with symbolic sizes (``dynamic``). On a CPU inductor's ``freezing`` packs the weights
-for oneDNN/MKL; on CUDA the graph is captured in a CUDA graph (``mode="reduce-overhead"``). The
-prefill, whose length differs per prompt, always runs eagerly.
+compiled with symbolic sizes (``dynamic``). On a CPU the graphs compile with inductor's
+``freezing`` (the weights become constants, packed for oneDNN) and GEMM autotuning
+(``max_autotune_gemm``): for every linear layer and call width inductor times its C++ GEMM
+templates — AMX / AVX-512 micro-kernels that unpack int4 / int8 weights in registers, flat in the
+number of rows where torch's packed weight-only kernels loop over them — against the aten kernel,
+and keeps the faster (its choices are cached in inductor's cache folder). Both are config values
+read while a graph compiles, so they are set around every call (``torch.compile(options=...)``
+does not switch freezing on). On CUDA the graph is captured in a CUDA graph
+(``mode="reduce-overhead"``). The prefill, whose length differs per prompt, always runs eagerly.
 
 Compilation happens once per model and shape in a process (``compiled_forward`` keeps them), and
 takes minutes on a small CPU: it pays off over long generations and servers, not one short call.
@@ -38,9 +44,19 @@ def compiled_forward(net: Transformer, dynamic: bool = False):
         if net.compute_weight.device.type == "cuda":
             fn = torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None, mode="reduce-overhead")
         else:
-            fn = torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None, options={"freezing": True})
+            fn = _with_cpu_inductor_config(torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None))
         by_mode[dynamic] = fn
     return by_mode[dynamic]
+
+
+def _with_cpu_inductor_config(fn):
+    """``fn`` run with freezing and GEMM autotuning on, so any graph it compiles has them."""
+    import torch._inductor.config as inductor_config
+
+    def run(*args, **kwargs):
+        with inductor_config.patch(freezing=True, max_autotune_gemm=True):
+            return fn(*args, **kwargs)
+    return run
 
 
 class StepForward:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from ..errors import InputError
 from ..models import QUANTS, Model, load_model
 from ..models.eagle3 import Eagle3Head
@@ -43,12 +45,19 @@ def add_quant_args(p, drafter: bool = True) -> None:
                         "use --dtype bf16 on a CPU)")
     if drafter:
         p.add_argument("--drafter-quant", default=None, choices=QUANTS,
-                       help="the drafter's quantization (default: --quant's)")
+                       help="the drafter's quantization (default: int4-all for a bf16/fp16 target on a CPU "
+                            "-- the drafter only proposes, so its bits cost acceptance, never output -- else --quant's)")
 
 
-def drafter_quant(args) -> str:
-    """The drafter's quantization from a CLI's ``--drafter-quant`` (default: ``--quant``)."""
-    return args.drafter_quant or args.quant
+def drafter_quant(args, target: Model) -> str:
+    """The drafter's quantization from a CLI's ``--drafter-quant``. Default: on a CPU in bf16 / fp16,
+    where a forward is bound by reading its weights, "int4-all" (the drafter's forward at about a
+    third of its bf16 bytes; lossless, the target decides every token); else ``--quant``."""
+    if args.drafter_quant:
+        return args.drafter_quant
+    if target.device.type == "cpu" and target.dtype in (torch.bfloat16, torch.float16):
+        return "int4-all"
+    return args.quant
 
 
 def gguf_source(model: str) -> Path | None:

@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", action="append", default=[], metavar="NAME=PROFILE.json",
                    help="also run each method as '<method>@NAME' with this graft-calibrate profile's config as it "
                         "is (e.g. one tuned on another workload); repeatable")
+    p.add_argument("--roofline", action="store_true",
+                   help="also time each forward kind (ar 1 row, drafter 1 and K rows, verify N rows, prefill) against "
+                        "the read bandwidth measured in the same run: ms, MB read, GB/s, %% of bandwidth, GFLOP/s "
+                        "(graft_tk.bench.roofline; with --plot also OUT-roofline.png)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -96,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"graft-bench: error: {e}", file=sys.stderr)
         return 2
     print(bench.markdown_table(report["summary"], args.temperature))
+    if report.get("roofline"):
+        from ..bench import roofline
+        print("\nroofline:\n" + roofline.markdown(report["roofline"]))
     if any(e.get("expected_accepted_per_step") for e in report["summary"]["all"].values()):
         print("\nacceptance estimates vs observed (all prompts):\n" + bench.acceptance_table(report["summary"]))
     for name, s in report["anchors"].items():
@@ -134,7 +141,7 @@ def _run(args) -> dict:
     target = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     spec = drafter_spec(args)
     needs_drafter = any(METHODS[m].drafts for m in methods) or "hf_assisted" in anchors
-    drafter = (load_drafter(spec, target, args.model, args.dtype, args.device, drafter_quant(args))
+    drafter = (load_drafter(spec, target, args.model, args.dtype, args.device, drafter_quant(args, target))
                if needs_drafter else None)
     if args.profile:
         from ..profiles import find_profile
@@ -164,6 +171,15 @@ def _run(args) -> dict:
         rows = bench.run(plan, on_run)
 
     report = bench.build_report(plan, rows, dict(vars(args)))
+    if args.roofline:
+        from ..bench import roofline
+        report["roofline"] = roofline.as_json(*roofline.measure(
+            target, drafter, budget=config.budget, top_k=config.top_k, compile=args.compile != "off",
+            progress=lambda msg: print(msg, file=sys.stderr)))
+        if args.plot:
+            roofline.plot(report["roofline"], str(args.plot).removesuffix(".png") + "-roofline.png",
+                          title=f"{target.name} + {drafter.name if drafter else 'no drafter'}: forwards against "
+                                "the memory roofline")
     if args.compile != "off":
         print("warm-up (compiles): " + ", ".join(f"{n} {t:.0f} s" for n, t in plan.warmup_seconds.items()),
               file=sys.stderr)

@@ -121,7 +121,7 @@ def run(args) -> int:
         raise InputError(f"no known drafter pairs with {args.model}: pass --drafter NAME (same tokenizer), "
                          "--drafter self:L, --eagle3 PATH, or --drafter none --methods retrieval,pld")
     drafter = load_drafter(spec, target, args.model, dtype=args.dtype, device=args.device,
-                           quant=drafter_quant(args))
+                           quant=drafter_quant(args, target))
     if args.cost_only:
         return run_cost_only(args, target, drafter)
     args.prompts = args.prompts or default_prompts()

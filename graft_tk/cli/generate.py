@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                       "NAME or self:L for graft)", file=sys.stderr)
         target = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
         drafter = (load_drafter(spec, target, args.model, dtype=args.dtype, device=args.device,
-                           quant=drafter_quant(args))
+                           quant=drafter_quant(args, target))
                    if METHODS[args.method].drafts else None)
         overrides = {k: v for k, v in (("budget", args.budget), ("tau", args.tau), ("top_k", args.top_k),
                                        ("max_depth", args.max_depth)) if v is not None}

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         method = args.method or ("graft" if spec not in (None, "none") else "retrieval+pld")
         target = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
         drafter = (load_drafter(spec, target, args.model, dtype=args.dtype, device=args.device,
-                                quant=drafter_quant(args)) if METHODS[method].drafts else None)
+                                quant=drafter_quant(args, target)) if METHODS[method].drafts else None)
         if METHODS[method].drafts and drafter is None:
             raise InputError(f"--method {method} needs a drafter: pass --drafter NAME or self:L")
         check_drafter(target, drafter)
