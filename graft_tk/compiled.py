@@ -6,11 +6,13 @@ key bound set to the whole static cache, so no shape and no Python value depends
 length: one graph for a target's verify at the batch's shape, one for a one-token ``ar`` step; a
 drafter, whose forwards change width (the committed tokens it has not seen, the frontier), is
 compiled with symbolic sizes (``dynamic``). On a CPU the graphs compile with inductor's
-``freezing`` (the weights become constants, packed for oneDNN) and GEMM autotuning
-(``max_autotune_gemm``): for every linear layer and call width inductor times its C++ GEMM
-templates — AMX / AVX-512 micro-kernels that unpack int4 / int8 weights in registers, flat in the
-number of rows where torch's packed weight-only kernels loop over them — against the aten kernel,
-and keeps the faster (its choices are cached in inductor's cache folder). Both are config values
+``freezing`` (the weights become constants, float ones packed for oneDNN) and, for a model with
+quantized weights, GEMM autotuning (``max_autotune_gemm``): for every linear layer and call width
+inductor times its C++ GEMM templates — AMX / AVX-512 micro-kernels that unpack int4 / int8
+weights in registers, flat in the number of rows where torch's packed weight-only kernels loop
+over them — against the aten kernel, and keeps the faster (its choices are cached in inductor's
+cache folder). A float model skips the search: oneDNN's packed GEMM is its fast path, and
+rendering the templates would add minutes per graph. Both are config values
 read while a graph compiles, so they are set around every call (``torch.compile(options=...)``
 does not switch freezing on). On CUDA the graph is captured in a CUDA graph
 (``mode="reduce-overhead"``). The prefill, whose length differs per prompt, always runs eagerly.
@@ -44,17 +46,19 @@ def compiled_forward(net: Transformer, dynamic: bool = False):
         if net.compute_weight.device.type == "cuda":
             fn = torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None, mode="reduce-overhead")
         else:
-            fn = _with_cpu_inductor_config(torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None))
+            quantized = any(hasattr(m, "qweight") for m in net.modules())
+            fn = _with_cpu_inductor_config(torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None),
+                                           autotune_gemm=quantized)
         by_mode[dynamic] = fn
     return by_mode[dynamic]
 
 
-def _with_cpu_inductor_config(fn):
-    """``fn`` run with freezing and GEMM autotuning on, so any graph it compiles has them."""
+def _with_cpu_inductor_config(fn, autotune_gemm: bool):
+    """``fn`` run with freezing (and GEMM autotuning) on, so any graph it compiles has them."""
     import torch._inductor.config as inductor_config
 
     def run(*args, **kwargs):
-        with inductor_config.patch(freezing=True, max_autotune_gemm=True):
+        with inductor_config.patch(freezing=True, max_autotune_gemm=autotune_gemm):
             return fn(*args, **kwargs)
     return run
 
@@ -77,7 +81,8 @@ class StepForward:
         # Every key of the static cache (visibility masks the rest): the graph's shapes never
         # depend on how long the context is.
         plan = dataclasses.replace(plan, keys=self.net.cache_len)
-        out = self.compiled(tokens, positions, plan, logits_at, hidden_layers, attention)
+        out = self.compiled(tokens, positions, plan, logits_at, hidden_layers, attention, kv=self.net.kv,
+                            rope=self.net.rope)
         if self._cuda_graphs:   # a CUDA graph's outputs are overwritten by its next replay
             out = tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
         return out

@@ -75,3 +75,28 @@ def test_an_engine_built_eager_refuses_compile(target):
     engine = Engine(target, None, GraftConfig())
     with pytest.raises(InputError, match="compile=True"):
         graft_tk.decode(target, "Hi", method="retrieval", engine=engine, compile=True, max_new_tokens=2)
+
+
+def test_a_quantized_cpu_forward_compiles_frozen_with_its_gemms_autotuned(smollm2_gguf):
+    """On a CPU the compiled graphs are frozen (weights constants, the KV cache and RoPE table graph
+    inputs: a new cache reuses the graph) and a quantized model's GEMMs are autotuned (inductor's
+    C++ templates where this CPU has them). torch.compile(options={"freezing": True}) once left both
+    off without a sign."""
+    from pathlib import Path
+    model = graft_tk.load_model("smollm2-135m", dtype="bf16", quant="int4", num_layers=1, progress=False)
+    net, step = model.net, StepForward(model.net, compile=True)
+    tokens = torch.tensor([[504, 3091, 282, 260]])
+    counters.clear()
+    with torch.inference_mode():
+        net.setup_cache(64)
+        eager = net(tokens, torch.arange(4), 0)
+        got = step(tokens, torch.arange(4), 0)
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs >= 1 and counters["inductor"]["select_algorithm_autotune"] >= 1 or \
+            "avx512f" not in Path("/proc/cpuinfo").read_text()
+        net.kv = None
+        net.setup_cache(64)                        # a new cache of the same shape: the same graph
+        again = step(tokens, torch.arange(4), 0)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert (got - eager).abs().max() <= 0.02 * eager.abs().max() and torch.equal(again, got)   # bf16 rounding
+    assert (got.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.75

@@ -289,8 +289,8 @@ class Transformer(nn.Module):
         ensure_cache(self, c.n_layers, batch_size, c.n_kv_heads, max_seq_len, c.head_dim, self.compute_weight)
 
     def forward(self, tokens: Tensor, positions: Tensor, plan: AttentionPlan | int, logits_at: int | Tensor | None = None,
-                hidden_layers: tuple[int, ...] | None = None, attention: Callable | None = None
-                ) -> Tensor | tuple[Tensor, Tensor]:
+                hidden_layers: tuple[int, ...] | None = None, attention: Callable | None = None,
+                kv: Tensor | None = None, rope: RopeTable | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Run new tokens against the cache and return logits (fp32).
 
         tokens:      [B, T] int64 token ids
@@ -308,25 +308,30 @@ class Transformer(nn.Module):
                      [B, T, len(hidden_layers) * dim] in the model's dtype, every token even with
                      logits_at (a drafter reads the whole prompt's features after prefill)
         attention:   the tree attention to run (``ops.tree_attention``); None = the torch reference
+        kv, rope:    the cache and its RoPE table (None: ``self.kv``, ``self.rope``); a compiled
+                     forward is passed them, so they are graph inputs, never constants of a frozen
+                     graph (which would recompile for every new cache, or a view of one)
         """
         B, T = tokens.shape
-        if self.kv is None:
+        kv = self.kv if kv is None else kv
+        if kv is None:
             raise RuntimeError("the model has no KV cache; call setup_cache first")
+        cache_len = kv.shape[4]
         if isinstance(plan, int):
-            if plan + T > self.cache_len:
-                raise RuntimeError(f"KV cache holds {self.cache_len} slots; call setup_cache(>= {plan + T})")
+            if plan + T > cache_len:
+                raise RuntimeError(f"KV cache holds {cache_len} slots; call setup_cache(>= {plan + T})")
             plan = AttentionPlan.causal(plan, B, T, tokens.device)
-        plan.check(B, T, self.cache_len)
+        plan.check(B, T, cache_len)
         if positions.dim() == 1:
             positions = positions[None].expand(B, -1)
         if hidden_layers is not None and not (hidden_layers and all(0 <= i < len(self.layers) for i in hidden_layers)):
             raise InputError(f"hidden_layers must be layer indices in [0, {len(self.layers)}), got {hidden_layers}")
         attention = attention or reference_attention
         x = self.tok_embeddings(tokens)
-        cos, sin = self.rope.at(positions)
+        cos, sin = (self.rope if rope is None else rope).at(positions)
         taken: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, self.kv, i, plan, attention)
+            x = layer(x, cos, sin, kv, i, plan, attention)
             if hidden_layers is not None and i in hidden_layers:
                 taken[i] = x
         logits = self.logits(select_positions(x, logits_at))
