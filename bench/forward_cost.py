@@ -17,21 +17,13 @@ import argparse
 import sys
 import time
 
-import torch
-
 import graft_tk
-from graft_tk import cost
-from graft_tk.compiled import StepForward
+from graft_tk.bench.roofline import time_forward
 
 
 def forward_ms(model, q: int, prefix: int, repeats: int, compile: bool = False) -> float:
-    net, device = model.net, model.device
-    step = StepForward(net, compile)
-    with torch.inference_mode():
-        net.setup_cache(prefix + q)
-        net.kv.normal_(0, 0.5)          # stands in for a prefill of the prefix: what is read costs the same
     t = time.perf_counter()
-    ms = cost.forward_ms(step, device, q, prefix, repeats)
+    ms = time_forward(model, q, prefix, repeats, compile)
     if compile:      # the untimed first call compiled the graph
         print(f"{model.name} q={q} prefix={prefix}: compile + timed calls {time.perf_counter() - t:.0f} s",
               file=sys.stderr)
