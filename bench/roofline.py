@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -33,6 +32,8 @@ from torch import nn
 
 from .._fs import atomic_write_bytes
 from ..compiled import StepForward
+from ..cost import forward_ms
+from ..models.quant import QuantLinear
 
 PROBE_BYTES = 1 << 30      # the bandwidth probe reads 1 GiB: far beyond any cache
 
@@ -54,19 +55,6 @@ class RooflineRow:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def median_ms(fn, device: torch.device, repeats: int) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` calls, after one untimed call."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def read_bandwidth_gbs(device: torch.device, repeats: int = 5, nbytes: int = PROBE_BYTES) -> float:
@@ -91,7 +79,7 @@ def linear_bytes_and_weights(net: nn.Module) -> tuple[int, int]:
     head: the embedding table, which it reads whole)."""
     nbytes = weights = 0
     for m in net.modules():
-        if hasattr(m, "qweight"):      # QuantLinear: what its kernel reads
+        if isinstance(m, QuantLinear):      # what its kernel reads
             nbytes += sum(t.numel() * t.element_size() for t in (m.qweight, m.scales, m.zeros, m.bias) if t is not None)
             weights += m.in_features * m.out_features
         elif isinstance(m, nn.Linear):
@@ -113,14 +101,11 @@ def kv_bytes(net, context: int) -> int:
 def time_forward(model, rows: int, context: int, repeats: int, compile: bool) -> float:
     """Median ms of one forward of ``rows`` tokens after ``context`` cached ones (random KV: what is
     read costs the same as after a prefill). Clobbers the model's KV cache."""
-    net, device = model.net, model.device
-    step = StepForward(net, compile)
+    net = model.net
     with torch.inference_mode():
         net.setup_cache(context + rows)
         net.kv.normal_(0, 0.5)
-        tokens = torch.randint(1000, (1, rows), device=device)
-        positions = torch.arange(context, context + rows, device=device)
-        return median_ms(lambda: step(tokens, positions, context, logits_at=None), device, repeats)
+    return forward_ms(StepForward(net, compile), model.device, rows, context, repeats)
 
 
 def measure(target, drafter, *, budget: int, top_k: int, prefill: int = 128, context: int = 256,

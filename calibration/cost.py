@@ -9,14 +9,12 @@ at a few hundred tokens serves every context a decode reaches; a GPU with a very
 """
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Callable
 
 import torch
 
 from graft_tk.compiled import StepForward
-from graft_tk.cost import StepCost
+from graft_tk.cost import StepCost, forward_ms, median_ms
 from graft_tk.engine import Engine
 from graft_tk.models.eagle3 import Eagle3Head
 from graft_tk.tree import Tree
@@ -36,26 +34,6 @@ def interpolate(points: dict[int, float], n_max: int) -> tuple[float, ...]:
         best = max(best, v)
         out.append(best)
     return tuple(out)
-
-
-def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` calls after one untimed call."""
-    times = []
-    with torch.inference_mode():
-        for _ in range(repeats + 1):
-            t = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times[1:]) * 1000
-
-
-def forward_ms(run: Callable[[torch.Tensor, torch.Tensor, int], object], device: torch.device, q: int,
-               prefix: int, repeats: int) -> float:
-    """Median milliseconds of ``run(tokens [1, q], positions [q], start=prefix)`` after one untimed call."""
-    return median_ms(lambda: run(torch.randint(1000, (1, q), device=device),
-                                 torch.arange(prefix, prefix + q, device=device), prefix), device, repeats)
 
 
 def forward_curve(net, run, device: torch.device, n_max: int, context: int, repeats: int,

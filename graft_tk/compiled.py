@@ -28,6 +28,7 @@ import weakref
 from torch import Tensor
 
 from .models.attention import AttentionPlan
+from .models.quant import QuantLinear
 from .models.transformer import Transformer
 
 # Compiled forwards per model: Dynamo keys its graphs by code object, so every Transformer of the
@@ -46,7 +47,7 @@ def compiled_forward(net: Transformer, dynamic: bool = False):
         if net.compute_weight.device.type == "cuda":
             fn = torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None, mode="reduce-overhead")
         else:
-            quantized = any(hasattr(m, "qweight") for m in net.modules())
+            quantized = any(isinstance(m, QuantLinear) for m in net.modules())
             fn = _with_cpu_inductor_config(torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None),
                                            autotune_gemm=quantized)
         by_mode[dynamic] = fn

@@ -12,7 +12,12 @@ config (``GraftConfig.cost``).
 """
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
+from typing import Callable
+
+import torch
 
 from .errors import InputError
 
@@ -40,3 +45,23 @@ class StepCost:
         if width <= len(self.draft_ms):
             return self.draft_ms[width - 1]
         return self.draft_ms[-1] * width / len(self.draft_ms)
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` calls after one untimed call."""
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[1:]) * 1000
+
+
+def forward_ms(run: Callable[[torch.Tensor, torch.Tensor, int], object], device: torch.device, q: int,
+               prefix: int, repeats: int) -> float:
+    """Median milliseconds of ``run(tokens [1, q], positions [q], start=prefix)`` after one untimed call."""
+    return median_ms(lambda: run(torch.randint(1000, (1, q), device=device),
+                                 torch.arange(prefix, prefix + q, device=device), prefix), device, repeats)

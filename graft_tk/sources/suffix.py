@@ -132,7 +132,3 @@ class SuffixSource:
         tried, accepted = outcome(built, on_path, nodes, self.code)
         counted = (note >= 0).float()                  # a node several chains share counts once
         self.rates.count(note.clamp(min=0), tried * counted, accepted * counted)
-
-    def summary(self) -> list[list[float]]:
-        """P(accepted | parent accepted) by matched length and support, pooled over depth (host copy)."""
-        return [[round(x, 4) for x in row] for row in self.rates.rate().mean(-1).tolist()]
