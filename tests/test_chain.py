@@ -116,8 +116,7 @@ def test_chain_proposals_leave_greedy_output_unchanged_and_the_self_drafter_is_a
     s = proposer.stats
     assert s.drafter_forwards > 0 and s.proposed.get("draft", 0) > 0
     # the target's own weights draft what it says: every drafted token that was tried was accepted
-    tried_draft = proposer.draft_rates.n.sum()
-    assert proposer.draft_rates.acc.sum() == pytest.approx(tried_draft) and tried_draft > 0
+    assert s.tried["draft"] > 0 and s.accepted["draft"] == s.tried["draft"]
     assert s.adjacency_rows > 0 and (proposer.matrix[:, 0] >= 0).sum() > 0
     assert proposer.live_requests == []
 

@@ -107,6 +107,7 @@ class ChainStats:
     drafter_rows: int = 0          # requests the drafter ran for
     drafter_forwards: int = 0      # drafter forwards (each covers every drafting request)
     proposed: dict[str, int] = field(default_factory=dict)   # tokens proposed, by source
+    tried: dict[str, int] = field(default_factory=dict)      # tokens verified (none before them rejected), by source
     accepted: dict[str, int] = field(default_factory=dict)   # tokens accepted, by source
     verified: int = 0              # proposals whose outcome was observed
     adjacency_rows: int = 0        # target logits rows written into M
@@ -240,7 +241,7 @@ class ChainProposer:
     def _draft(self, context: Tensor, lengths: list[int], drafting: list[bool]):
         """The drafter's greedy chain for every drafting row, cut at tau and continued by M (None elsewhere)."""
         cfg, drafter, B = self.config, self.drafter, len(lengths)
-        self._reserve(B)
+        self._reserve(B, max(lengths))
         for b in range(B):
             if drafting[b]:
                 drafter.kv_len[b] = self._catch_up(b, context[b, :lengths[b]], lengths[b])
@@ -295,8 +296,9 @@ class ChainProposer:
         for p, (source, cell) in enumerate(row.proposal[:accepted + 1]):
             rates = {DRAFT: self.draft_rates, PROMPT_LOOKUP: self.pld_rates, RETRIEVAL: self.fill_rates}[source]
             rates.count(cell, p < accepted)
+            name = SOURCE_NAMES[source]
+            self.stats.tried[name] = self.stats.tried.get(name, 0) + 1
             if p < accepted:
-                name = SOURCE_NAMES[source]
                 self.stats.accepted[name] = self.stats.accepted.get(name, 0) + 1
         if row.drafted:
             self.draft_gain.n[0] += 1.0
@@ -339,15 +341,18 @@ class ChainProposer:
         if kv is not None and max(a, b) < kv.shape[2]:
             kv[:, :, [a, b]] = kv[:, :, [b, a]]
 
-    def _reserve(self, rows: int) -> None:
-        """A drafter cache of at least ``rows`` rows (what existing rows hold is kept)."""
-        net = self.drafter.net
+    def _reserve(self, rows: int, tokens: int = 0) -> None:
+        """A drafter cache of at least ``rows`` rows with room for ``tokens`` committed tokens; it
+        grows with the longest request seen (not to the engine's max_len up front: a row of
+        32k slots of a 0.5B drafter is 0.8 GB), and what existing rows hold is kept."""
+        net, slots = self.drafter.net, drafter_cache_slots(tokens, 1, self.config.k)
         old = net.kv
         if old is not None and old.shape[2] >= rows:
+            net.setup_cache(slots, old.shape[2])       # grows the slots if needed, rows kept
             return
         net.kv = None
         self.drafter.kv_len = []
-        self.drafter.reserve(max(rows, len(self.rows)), drafter_cache_slots(self.config.max_len, 1, self.config.k))
+        self.drafter.reserve(max(rows, len(self.rows)), max(slots, old.shape[4] if old is not None else 0))
         if old is not None:
             net.kv[:, :, :old.shape[2], :, :old.shape[4]] = old
 
