@@ -15,7 +15,12 @@ cache folder). A float model skips the search: oneDNN's packed GEMM is its fast 
 rendering the templates would add minutes per graph. Both are config values
 read while a graph compiles, so they are set around every call (``torch.compile(options=...)``
 does not switch freezing on). On CUDA the graph is captured in a CUDA graph
-(``mode="reduce-overhead"``). The prefill, whose length differs per prompt, always runs eagerly.
+(``mode="reduce-overhead"``). A prompt's prefill (``StepForward.prefill``) runs eagerly, except
+for a quantized model compiled on a CPU: torch's eager int4 / int8 kernels loop over rows (a
+128-token prefill of the int4 1.5B target took 1.8 s), so its prompt runs in fixed chunks of
+``PREFILL_CHUNK`` tokens through one more graph, whose GEMMs are inductor's templates, flat in the
+rows (the last chunk padded; its padding's K/V land past the prompt, where later tokens overwrite
+them before anything reads them).
 
 Compilation happens once per model and shape in a process (``compiled_forward`` keeps them), and
 takes minutes on a small CPU: it pays off over long generations and servers, not one short call.
@@ -25,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
+import torch
 from torch import Tensor
 
 from .models.attention import AttentionPlan
@@ -35,6 +41,7 @@ from .models.transformer import Transformer
 # process shares one limit of cached graphs (target and drafter widths, test models).
 _COMPILED: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()
 _GRAPHS_PER_CODE = 64
+PREFILL_CHUNK = 64    # tokens per compiled prefill chunk (one graph for every prompt length)
 
 
 def compiled_forward(net: Transformer, dynamic: bool = False):
@@ -71,6 +78,35 @@ class StepForward:
         self.net = net
         self.compiled = compiled_forward(net, dynamic) if compile else None
         self._cuda_graphs = compile and net.compute_weight.device.type == "cuda"
+        self.chunked_prefill = (compile and not self._cuda_graphs
+                                and any(isinstance(m, QuantLinear) for m in net.modules()))
+
+    def prefill(self, tokens: Tensor, hidden_layers: tuple[int, ...] | None = None, attention=None):
+        """A prompt ``tokens`` [B, n] into cache slots 0 .. n - 1: its last position's logits
+        [B, 1, V] (and with ``hidden_layers``, every position's, as ``Transformer.forward``)."""
+        B, n = tokens.shape
+        device, C = tokens.device, PREFILL_CHUNK
+        if not self.chunked_prefill:
+            return self.net(tokens, torch.arange(n, device=device), 0, logits_at=-1, hidden_layers=hidden_layers,
+                            attention=attention)
+        logits, hidden = None, []
+        for s in range(0, n, C):
+            t = min(C, n - s)
+            if s + C <= self.net.cache_len:
+                chunk = torch.nn.functional.pad(tokens[:, s:s + t], (0, C - t))
+                last = torch.full((B,), t - 1, device=device)     # a tensor: no graph per value
+                out = self(chunk, torch.arange(s, s + C, device=device), s, logits_at=last,
+                           hidden_layers=hidden_layers, attention=attention)
+            else:   # the padding would run past the cache: the rest eagerly
+                t = n - s
+                out = self.net(tokens[:, s:], torch.arange(s, n, device=device), s, logits_at=-1,
+                               hidden_layers=hidden_layers, attention=attention)
+            logits = out if hidden_layers is None else out[0]
+            if hidden_layers is not None:
+                hidden.append(out[1][:, :t])
+            if s + t == n:
+                break
+        return logits if hidden_layers is None else (logits, torch.cat(hidden, dim=1))
 
     def __call__(self, tokens: Tensor, positions: Tensor, plan: AttentionPlan | int, logits_at=None,
                  hidden_layers: tuple[int, ...] | None = None, attention=None):

@@ -212,8 +212,7 @@ class ModelDrafter(_CacheRows):
     def start(self, row: int, prompt: Tensor, features: Tensor | None, ops: Ops) -> None:
         n = prompt.shape[0]
         with self.net.cache_rows(row, row + 1):
-            self.net(prompt[None], torch.arange(n, device=prompt.device), 0, logits_at=-1,
-                     attention=ops.tree_attention)     # eager, like the target's prefill
+            self.step.prefill(prompt[None], attention=ops.tree_attention)     # as the target's prefill
         self.kv_len[row] = n
 
     def draft(self, request: DraftRequest, ops: Ops) -> DraftPool:

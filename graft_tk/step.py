@@ -102,8 +102,7 @@ def prefill(engine, row: int, ids: list[int], request: Request, context: Tensor)
     # logits made a chunk at a time, never [n, V] at once).
     taken = (*(layers or ()), tnet.config.n_layers - 1) if warm else layers
     with tnet.cache_rows(row, row + 1):
-        out = tnet(prompt, torch.arange(n, device=device), 0, logits_at=-1, hidden_layers=taken,
-                   attention=ops.tree_attention)
+        out = engine.target_step.prefill(prompt, hidden_layers=taken, attention=ops.tree_attention)
     logits, features = (out, None) if taken is None else (out[0], out[1][0])
     if warm:
         dim = tnet.config.dim

@@ -100,3 +100,30 @@ def test_a_quantized_cpu_forward_compiles_frozen_with_its_gemms_autotuned(smollm
     assert counters["stats"]["unique_graphs"] == graphs
     assert (got - eager).abs().max() <= 0.02 * eager.abs().max() and torch.equal(again, got)   # bf16 rounding
     assert (got.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.75
+
+
+def test_a_compiled_quantized_prefill_runs_in_fixed_chunks_and_matches_the_eager_one(monkeypatch):
+    """A quantized model compiled on a CPU prefills in PREFILL_CHUNK-token chunks through one graph
+    (the last padded, or run eagerly where the padding would pass the cache's end): the same last
+    logits, hidden states and cache entries as one eager forward, within bf16 rounding."""
+    import graft_tk.compiled as compiled
+
+    monkeypatch.setattr(compiled, "PREFILL_CHUNK", 10)
+    model = graft_tk.load_model("smollm2-135m", dtype="bf16", quant="int4", num_layers=1, progress=False)
+    net, step = model.net, StepForward(model.net, compile=True)
+    assert step.chunked_prefill
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        net.setup_cache(64)                                     # 512 slots
+        # 19 tokens: 10 + 9 (padded); 511: 51 chunks, then 510 + 10 > 512 slots: the last token eagerly
+        for n in (19, 511):
+            prompt = torch.randint(0, model.config.vocab_size, (1, n))
+            net.kv.zero_()
+            eager, eager_hidden = net(prompt, torch.arange(n), 0, logits_at=-1, hidden_layers=(0,))
+            eager_kv = net.kv[:, :, :, :, :n].clone()
+            net.kv.zero_()
+            got, hidden = step.prefill(prompt, hidden_layers=(0,))
+            assert got.shape == eager.shape and hidden.shape == eager_hidden.shape
+            assert (got - eager).abs().max() <= 0.02 * eager.abs().max() and got.argmax() == eager.argmax()
+            assert (hidden.float() - eager_hidden.float()).abs().max() <= 0.02 * eager_hidden.float().abs().max()
+            assert (net.kv[:, :, :, :, :n] - eager_kv).abs().max() <= 0.02 * eager_kv.abs().max()
