@@ -8,7 +8,8 @@ it beside that floor, the bandwidth measured in the same run:
     ar        the target, 1 row                    (plain decoding; the verify of a chain of 1)
     drafter   the drafter, 1 row and top_k rows    (one expansion depth)
     verify    the target, N rows                   (a tree of the budget)
-    prefill   the target, P rows, eager            (a prompt; compute-bound)
+    prefill   the target, P rows, from slot 0          (a prompt; compute-bound; as decoding runs
+              it: eagerly, or compiled in fixed chunks for a quantized model, ``StepForward.prefill``)
 
 Bytes read per forward = every linear layer's stored weight (packed int4 / int8 with its scales and
 zeros, or float; a tied LM head reads the embedding table) + the KV cache read at the context
@@ -32,7 +33,7 @@ from torch import nn
 
 from .._fs import atomic_write_bytes
 from ..compiled import StepForward
-from ..cost import forward_ms
+from ..cost import forward_ms, median_ms
 from ..models.quant import QuantLinear
 
 PROBE_BYTES = 1 << 30      # the bandwidth probe reads 1 GiB: far beyond any cache
@@ -108,22 +109,32 @@ def time_forward(model, rows: int, context: int, repeats: int, compile: bool) ->
     return forward_ms(StepForward(net, compile), model.device, rows, context, repeats)
 
 
+def time_prefill(model, rows: int, repeats: int, compile: bool) -> float:
+    """Median ms of a ``rows``-token prompt's prefill as decoding runs it."""
+    net, device = model.net, model.device
+    with torch.inference_mode():
+        net.setup_cache(rows + 1)
+    step = StepForward(net, compile)
+    return median_ms(lambda: step.prefill(torch.randint(1000, (1, rows), device=device)), device, repeats)
+
+
 def measure(target, drafter, *, budget: int, top_k: int, prefill: int = 128, context: int = 256,
             repeats: int = 5, compile: bool = False, bandwidth_gbs: float | None = None,
             progress=None) -> tuple[float, list[RooflineRow]]:
     """(bandwidth GB/s, one row per forward kind). ``compile``: the step forwards compiled (their
-    first call compiles: minutes on a CPU); the prefill always eager, as decoding runs it."""
+    first call compiles: minutes on a CPU); the prefill as decoding runs it (``StepForward.prefill``)."""
     device = target.device
     bw = bandwidth_gbs or read_bandwidth_gbs(device)
     kinds = [("ar", target, 1, compile), ("verify", target, budget, compile)]
     if drafter is not None and hasattr(drafter, "net"):
         kinds += [("drafter", drafter, 1, compile), ("drafter", drafter, top_k, compile)]
-    kinds.append(("prefill", target, prefill, False))
+    kinds.append(("prefill", target, prefill, compile and StepForward(target.net, compile).chunked_prefill))
     rows = []
     for kind, model, n, compiled in kinds:
         if progress:
             progress(f"roofline: {kind} {model.name} {n} rows{' (compiling)' if compiled else ''}")
-        ms = time_forward(model, n, context, repeats, compiled)
+        ms = (time_prefill(model, n, repeats, compiled) if kind == "prefill"
+              else time_forward(model, n, context, repeats, compiled))
         wbytes, weights = linear_bytes_and_weights(model.net)
         mb = (wbytes + kv_bytes(model.net, context)) / 1e6
         rows.append(RooflineRow(kind, model.name, n, compiled, round(ms, 2), round(mb, 1), round(mb / ms, 2),

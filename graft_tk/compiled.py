@@ -93,7 +93,8 @@ class StepForward:
         for s in range(0, n, C):
             t = min(C, n - s)
             if s + C <= self.net.cache_len:
-                chunk = torch.nn.functional.pad(tokens[:, s:s + t], (0, C - t))
+                chunk = tokens.new_zeros(B, C)      # a fresh [B, C]: a slice's strides would recompile
+                chunk[:, :t] = tokens[:, s:s + t]
                 last = torch.full((B,), t - 1, device=device)     # a tensor: no graph per value
                 out = self(chunk, torch.arange(s, s + C, device=device), s, logits_at=last,
                            hidden_layers=hidden_layers, attention=attention)

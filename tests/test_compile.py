@@ -113,6 +113,8 @@ def test_a_compiled_quantized_prefill_runs_in_fixed_chunks_and_matches_the_eager
     net, step = model.net, StepForward(model.net, compile=True)
     assert step.chunked_prefill
     torch.manual_seed(0)
+    counters.clear()
+    graphs = []
     with torch.inference_mode():
         net.setup_cache(64)                                     # 512 slots
         # 19 tokens: 10 + 9 (padded); 511: 51 chunks, then 510 + 10 > 512 slots: the last token eagerly
@@ -127,3 +129,5 @@ def test_a_compiled_quantized_prefill_runs_in_fixed_chunks_and_matches_the_eager
             assert (got - eager).abs().max() <= 0.02 * eager.abs().max() and got.argmax() == eager.argmax()
             assert (hidden.float() - eager_hidden.float()).abs().max() <= 0.02 * eager_hidden.float().abs().max()
             assert (net.kv[:, :, :, :, :n] - eager_kv).abs().max() <= 0.02 * eager_kv.abs().max()
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[1] >= 1     # one graph for every prompt length (a slice's strides once recompiled)
