@@ -162,7 +162,7 @@ def main(argv=None) -> None:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     notes: dict[str, str] = {}
-    base = [a for a in (argv if argv is not None else sys.argv[1:])]
+    base = list(argv if argv is not None else sys.argv[1:])
     for r in range(args.rounds):
         for m in methods:
             if m in notes:
@@ -185,24 +185,26 @@ def main(argv=None) -> None:
 
 
 def summarize(runs: dict, notes: dict, args) -> dict:
-    ref = runs.get("none", [{}])[0].get("outputs") if runs.get("none") else None
-    rows, figures = [], {}
+    ref = runs["none"][0]["outputs"] if runs.get("none") else None
+    figures = {}
     for m, rs in runs.items():
-        if not rs:
+        if rs:
+            figures[m] = dict(
+                tokens_per_s=statistics.median(sum(len(o) for o in r["outputs"]) / sum(r["seconds"]) for r in rs),
+                accepted_per_step=rs[0]["accepted_per_step"],
+                identical_to_none=None if ref is None else all(r["outputs"] == ref for r in rs),
+                **({"graft_stats": rs[0]["graft_stats"]} if "graft_stats" in rs[0] else {}))
+    none = figures.get("none", {}).get("tokens_per_s")
+    rows = []
+    for m in runs:
+        f = figures.get(m)
+        if f is None:
             rows.append(f"| {m} | {notes.get(m, 'not run')} | | | |")
             continue
-        tps = statistics.median(sum(len(o) for o in r["outputs"]) / sum(r["seconds"]) for r in rs)
-        acc = rs[0]["accepted_per_step"]
-        same = None if ref is None else all(r["outputs"] == ref for r in rs)
-        figures[m] = dict(tokens_per_s=tps, accepted_per_step=acc, identical_to_none=same)
-        if "graft_stats" in rs[0]:
-            figures[m]["graft_stats"] = rs[0]["graft_stats"]
-    none = figures.get("none", {}).get("tokens_per_s")
-    for m, f in figures.items():
         ratio = f"{f['tokens_per_s'] / none:.2f}x" if none else ""
         acc = "" if f["accepted_per_step"] is None else f"{f['accepted_per_step']:.2f}"
         same = {None: "", True: "yes", False: "**no**"}[f["identical_to_none"]]
-        rows.insert(list(runs).index(m), f"| {m} | {f['tokens_per_s']:.2f} | {ratio} | {acc} | {same} |")
+        rows.append(f"| {m} | {f['tokens_per_s']:.2f} | {ratio} | {acc} | {same} |")
     cmd = "python -m graft_tk.bench.vllm_methods " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("worker", "out") and v is not None)
     table = "\n".join([f"`{cmd}`", "", "| method | tokens/s | vs none | accepted / verify step | output = none |",

@@ -54,11 +54,15 @@ def compiled_forward(net: Transformer, dynamic: bool = False):
         if net.compute_weight.device.type == "cuda":
             fn = torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None, mode="reduce-overhead")
         else:
-            quantized = any(isinstance(m, QuantLinear) for m in net.modules())
             fn = _with_cpu_inductor_config(torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None),
-                                           autotune_gemm=quantized)
+                                           autotune_gemm=quantized(net))
         by_mode[dynamic] = fn
     return by_mode[dynamic]
+
+
+def quantized(net: Transformer) -> bool:
+    """Whether ``net`` has weight-only quantized linear layers."""
+    return any(isinstance(m, QuantLinear) for m in net.modules())
 
 
 def _with_cpu_inductor_config(fn, autotune_gemm: bool):
@@ -78,8 +82,7 @@ class StepForward:
         self.net = net
         self.compiled = compiled_forward(net, dynamic) if compile else None
         self._cuda_graphs = compile and net.compute_weight.device.type == "cuda"
-        self.chunked_prefill = (compile and not self._cuda_graphs
-                                and any(isinstance(m, QuantLinear) for m in net.modules()))
+        self.chunked_prefill = compile and not self._cuda_graphs and quantized(net)
 
     def prefill(self, tokens: Tensor, hidden_layers: tuple[int, ...] | None = None, attention=None):
         """A prompt ``tokens`` [B, n] into cache slots 0 .. n - 1: its last position's logits

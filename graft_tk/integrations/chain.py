@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..acceptance import PRIOR_WEIGHT, Rates
 from ..adjacency import new_adjacency, update_adjacency
 from ..drafting import DraftRequest, ModelDrafter, drafter_cache_slots
 from ..errors import InputError
@@ -45,8 +46,6 @@ from ..models import Model
 from ..ops import ops_for
 from ..tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, SOURCE_NAMES
 
-DECAY = 0.98           # counts decay per step (the estimates follow a change of workload)
-PRIOR_WEIGHT = 2.0     # observations each prior counts as
 CATCH_UP_ALONE = 16    # a request whose drafter cache lags more tokens than this prefills alone
 
 
@@ -70,33 +69,13 @@ class ChainConfig:
             raise InputError(f"ChainConfig.fill_min must be in (0, 1], got {self.fill_min!r}")
 
 
-class Rates:
-    """P(accepted | the position before accepted) per cell, from decayed counts and a prior."""
-
-    def __init__(self, prior: np.ndarray):
-        self.prior = np.asarray(prior, dtype=np.float64)
-        self.acc = np.zeros_like(self.prior)
-        self.n = np.zeros_like(self.prior)
-
-    def rate(self) -> np.ndarray:
-        return (self.acc + PRIOR_WEIGHT * self.prior) / (self.n + PRIOR_WEIGHT)
-
-    def count(self, cell, accepted: bool) -> None:
-        self.n[cell] += 1.0
-        self.acc[cell] += float(accepted)
-
-    def decay(self) -> None:
-        self.acc *= DECAY
-        self.n *= DECAY
-
-
 @dataclass
 class _Row:
     """One request's state in its drafter cache row."""
     req_id: str
     base: int = 0                  # committed tokens when the drafter last ran
     fed: list[int] = field(default_factory=list)   # drafted tokens whose K/V the cache holds after ``base``
-    proposal: list[tuple[int, object]] = field(default_factory=list)   # (source, rate cell) per proposed token
+    proposal: list[tuple[int, int]] = field(default_factory=list)   # (source, rate cell) per proposed token
     drafted: bool = False          # the proposal came from the drafter's chain
 
 
@@ -131,10 +110,12 @@ class ChainProposer:
         self.drafter = ModelDrafter(drafter) if drafter is not None and config.draft else None
         self.rows: list[_Row | None] = []
         k, G = config.k, config.pld_max_ngram
-        self.pld_rates = Rates(np.minimum(0.3 + 0.2 * np.arange(G), 0.7)[:, None].repeat(k, 1))
-        self.fill_rates = Rates(np.full(k, 0.4))          # M's token at the j-th place after a chain
-        self.draft_rates = Rates(np.full(k, 0.6))         # counted for the record (values: the drafter's own)
-        self.draft_gain = Rates(np.array([1.0]))          # tokens a drafted chain gets accepted (a mean: acc / n)
+        # graft_tk.acceptance's online rates (decayed counts and a prior), host tensors
+        rates = lambda prior: Rates(prior, torch.full_like(prior, PRIOR_WEIGHT))   # noqa: E731
+        # P(position i accepted | i - 1 accepted) after a match of length g + 1: cell g * k + i
+        self.pld_rates = rates((0.3 + 0.2 * torch.arange(G)).clamp(max=0.7)[:, None].repeat(1, k))
+        self.fill_rates = rates(torch.full((k,), 0.4))     # M's token at the j-th place after a chain
+        self.draft_gain = rates(torch.ones(1))             # tokens a drafted chain gets accepted (a mean)
         self.stats = ChainStats()
 
     # ------------------------------------------------------------------ the engine's calls
@@ -146,14 +127,10 @@ class ChainProposer:
         if len(req_ids) < B:
             raise InputError(f"{B} rows of sampled tokens but {len(req_ids)} request ids")
         self.stats.steps += 1
-        for rates in (self.pld_rates, self.fill_rates, self.draft_rates, self.draft_gain):
-            rates.decay()
         self._arrange(req_ids[:B])
         lengths = [int(n) for n in np.asarray(num_tokens[:B])]
         live = [bool(s) and 0 < n < cfg.max_len for s, n in zip(sampled, lengths)]
-        for b in range(B):
-            if sampled[b]:
-                self._observe(self.rows[b], len(sampled[b]) - 1)
+        self._observe([(self.rows[b], len(sampled[b]) - 1) for b in range(B) if sampled[b]])
         out: list[list[int]] = [[] for _ in range(B)]
         if not any(live):
             return out
@@ -164,12 +141,14 @@ class ChainProposer:
         # Prompt lookup for every row, then the drafter where prompt lookup is the weaker bet.
         pl_tokens, ngram = self.ops.prompt_lookup(context, length, cfg.pld_max_ngram, 1, cfg.k)
         pl_tokens, ngram = pl_tokens.tolist(), ngram.tolist()
-        chains = [self._prompt_lookup_chain(pl_tokens[b], ngram[b], context[b, lengths[b] - 1].item())
+        pld_rate, fill_rate = self.pld_rates.rate().tolist(), self.fill_rates.rate().tolist()
+        chains = [self._prompt_lookup_chain(pl_tokens[b], ngram[b], context[b, lengths[b] - 1].item(),
+                                            pld_rate, fill_rate)
                   if live[b] else None for b in range(B)]
-        gain = self.draft_gain.rate()[0]
+        gain = self.draft_gain.rate().item()
         drafting = [live[b] and self.drafter is not None and _expected(chains[b][1]) < gain for b in range(B)]
         if any(drafting):
-            for b, chain in zip(range(B), self._draft(context, lengths, drafting)):
+            for b, chain in zip(range(B), self._draft(context, lengths, drafting, fill_rate)):
                 if chain is not None and _expected(chain[1]) > _expected(chains[b][1]):
                     chains[b] = chain
         for b in range(B):
@@ -208,24 +187,24 @@ class ChainProposer:
         return [row.req_id for row in self.rows if row is not None]
 
     # ------------------------------------------------------------------ chains
-    def _prompt_lookup_chain(self, tokens: list[int], ngram: int, root: int):
-        """(tokens, P(prefix accepted) per token, (source, cell) per token): prompt lookup's chain,
-        cut where its value falls below fill_min, continued by M."""
-        rate = self.pld_rates.rate()
+    def _prompt_lookup_chain(self, tokens: list[int], ngram: int, root: int, pld_rate: list[list[float]],
+                             fill_rate: list[float]):
+        """(tokens, P(prefix accepted) per token, (source, rate cell) per token): prompt lookup's
+        chain, cut where its value falls below fill_min, continued by M."""
         g = max(ngram, 1) - 1
         out, values, cells, value = [], [], [], 1.0
         for i, t in enumerate(tokens):
-            value *= rate[g, i]
+            value *= pld_rate[g][i]
             if t < 0 or value < self.config.fill_min:
                 break
             out.append(t)
             values.append(value)
-            cells.append((PROMPT_LOOKUP, (g, i)))
-        return self._fill(out, values, cells, out[-1] if out else root)
+            cells.append((PROMPT_LOOKUP, g * self.config.k + i))
+        return self._fill(out, values, cells, out[-1] if out else root, fill_rate)
 
-    def _fill(self, tokens: list[int], values: list[float], cells: list, last: int):
-        """Continue a chain from its last token along M's top successors."""
-        rate, value = self.fill_rates.rate(), values[-1] if values else 1.0
+    def _fill(self, tokens: list[int], values: list[float], cells: list, last: int, rate: list[float]):
+        """Continue a chain from its last token along M's top successors (``rate``: per place)."""
+        value = values[-1] if values else 1.0
         column = self.matrix[:, 0]
         for j in range(self.config.k - len(tokens)):
             t = int(column[last])
@@ -238,7 +217,7 @@ class ChainProposer:
             last = t
         return tokens, values, cells
 
-    def _draft(self, context: Tensor, lengths: list[int], drafting: list[bool]):
+    def _draft(self, context: Tensor, lengths: list[int], drafting: list[bool], fill_rate: list[float]):
         """The drafter's greedy chain for every drafting row, cut at tau and continued by M (None elsewhere)."""
         cfg, drafter, B = self.config, self.drafter, len(lengths)
         self._reserve(B, max(lengths))
@@ -265,7 +244,7 @@ class ChainProposer:
                 values.append(math.exp(scores[b][i]))
                 cells.append((DRAFT, i))
             root = int(context[b, lengths[b] - 1])
-            chains.append(self._fill(out, values, cells, out[-1] if out else root))
+            chains.append(self._fill(out, values, cells, out[-1] if out else root, fill_rate))
         return chains
 
     def _catch_up(self, b: int, context: Tensor, n: int) -> int:
@@ -288,22 +267,27 @@ class ChainProposer:
         return held
 
     # ------------------------------------------------------------------ bookkeeping
-    def _observe(self, row: _Row, accepted: int) -> None:
-        """Count the outcome of ``row``'s last proposal: its first ``accepted`` tokens were accepted."""
-        if not row.proposal:
-            return
-        self.stats.verified += 1
-        for p, (source, cell) in enumerate(row.proposal[:accepted + 1]):
-            rates = {DRAFT: self.draft_rates, PROMPT_LOOKUP: self.pld_rates, RETRIEVAL: self.fill_rates}[source]
-            rates.count(cell, p < accepted)
-            name = SOURCE_NAMES[source]
-            self.stats.tried[name] = self.stats.tried.get(name, 0) + 1
-            if p < accepted:
-                self.stats.accepted[name] = self.stats.accepted.get(name, 0) + 1
-        if row.drafted:
-            self.draft_gain.n[0] += 1.0
-            self.draft_gain.acc[0] += min(accepted, len(row.proposal))
-        row.proposal = []
+    def _observe(self, outcomes: list[tuple[_Row, int]]) -> None:
+        """Count each row's last proposal, of which the first ``accepted`` tokens were accepted, and
+        decay every rate once (one ``Rates.count`` per table per step)."""
+        seen = {PROMPT_LOOKUP: [], RETRIEVAL: [], "gain": []}     # (cell, tried, accepted) per count
+        for row, accepted in outcomes:
+            if not row.proposal:
+                continue
+            self.stats.verified += 1
+            for p, (source, cell) in enumerate(row.proposal[:accepted + 1]):
+                name = SOURCE_NAMES[source]
+                self.stats.tried[name] = self.stats.tried.get(name, 0) + 1
+                if p < accepted:
+                    self.stats.accepted[name] = self.stats.accepted.get(name, 0) + 1
+                if source in seen:            # drafted tokens are valued by the drafter's own probabilities
+                    seen[source].append((cell, 1.0, float(p < accepted)))
+            if row.drafted:
+                seen["gain"].append((0, 1.0, float(min(accepted, len(row.proposal)))))
+            row.proposal = []
+        for key, rates in ((PROMPT_LOOKUP, self.pld_rates), (RETRIEVAL, self.fill_rates), ("gain", self.draft_gain)):
+            cells, tried, accepted = zip(*seen[key]) if seen[key] else ((), (), ())
+            rates.count(torch.tensor(cells, dtype=torch.long), torch.tensor(tried), torch.tensor(accepted))
 
     def _arrange(self, req_ids: list[str]) -> None:
         """Put request ``req_ids[b]`` in row b (the drafter drafts rows 0 .. B - 1 of its cache):
