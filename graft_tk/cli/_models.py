@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from ..errors import InputError
 from ..models import QUANTS, Model, load_model
 from ..models.eagle3 import Eagle3Head
 from ..models.eagle3_checkpoint import load_eagle3
+from ..models.quant import cpu_drafter_quant
 from ..models.registry import HF_ALIASES, HF_DRAFTERS, REGISTRY, fetch_gguf
 
 
@@ -50,14 +49,9 @@ def add_quant_args(p, drafter: bool = True) -> None:
 
 
 def drafter_quant(args, target: Model) -> str:
-    """The drafter's quantization from a CLI's ``--drafter-quant``. Default: on a CPU in bf16 / fp16,
-    where a forward is bound by reading its weights, "int4-all" (the drafter's forward at about a
-    third of its bf16 bytes; lossless, the target decides every token); else ``--quant``."""
-    if args.drafter_quant:
-        return args.drafter_quant
-    if target.device.type == "cpu" and target.dtype in (torch.bfloat16, torch.float16):
-        return "int4-all"
-    return args.quant
+    """The drafter's quantization from a CLI's ``--drafter-quant``. Default: ``cpu_drafter_quant``
+    (int4-all on a CPU in bf16 / fp16), else ``--quant``."""
+    return args.drafter_quant or cpu_drafter_quant(target.device, target.dtype) or args.quant
 
 
 def gguf_source(model: str) -> Path | None:

@@ -36,6 +36,15 @@ QUANTS = ("none", "int8", "int4", "int4-all")
 GROUP = 32                 # int4 group: GGUF's Q4_0 / Q4_1 block and Q4_K sub-block
 
 
+def cpu_drafter_quant(device: torch.device, dtype: torch.dtype) -> str | None:
+    """A drafter's default quantization beside a target on ``device`` in ``dtype``: "int4-all" on
+    a CPU in bf16 / fp16, where a forward is bound by reading its weights (about a third of the
+    bf16 bytes; lossless, the target decides every token); None elsewhere (the caller's default)."""
+    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return "int4-all"
+    return None
+
+
 def check_quant(quant: str | None) -> str:
     """``quant`` checked: "none" (also for None), "int8", "int4" or "int4-all"."""
     quant = quant or "none"

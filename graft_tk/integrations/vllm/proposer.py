@@ -12,6 +12,7 @@ import torch
 
 from ...errors import InputError
 from ...models import load_model, registry
+from ...models.quant import cpu_drafter_quant
 from ..chain import ChainConfig, ChainProposer
 from . import hooks
 
@@ -57,7 +58,7 @@ class GraftProposer:
         spec = self.options.get("drafter", default_drafter(model.model))
         drafter = None
         if spec not in (None, "none"):
-            quant = self.options.get("drafter_quant", "int4-all" if dtype in (torch.bfloat16, torch.float16) else "none")
+            quant = self.options.get("drafter_quant") or cpu_drafter_quant("cpu", dtype) or "none"
             drafter = load_model(spec, dtype=dtype, device="cpu", quant=quant,
                                  num_layers=self.options.get("drafter_layers"), progress=False)
             if drafter.config.vocab_size > model.get_vocab_size():
