@@ -52,15 +52,16 @@ def forward_curve(net, run, device: torch.device, n_max: int, context: int, repe
 
 
 def measure_step_cost(target, drafter, config, compile: bool = False, context: int = 256, repeats: int = 3,
-                      progress: Callable[[str], None] | None = None) -> StepCost:
+                      progress: Callable[[str], None] | None = None, n_max: int | None = None) -> StepCost:
     """Measure ``StepCost`` for this target (and drafter: a ``Model`` or an EAGLE-3 head) on their
-    device, up to ``config.budget`` tokens; ``compile``: the compiled step forwards (graft_tk.compiled).
+    device, up to ``n_max`` tokens (default ``config.budget``); ``compile``: the compiled step
+    forwards (graft_tk.compiled).
 
     The forwards are timed alone; ``step_ms`` is what a short real decode (``graft``, or
     ``retrieval`` without a drafter) spends per step outside them. Clobbers the models' KV caches
     (no decode may be running on them).
     """
-    device, n_max = target.device, config.budget
+    device, n_max = target.device, max(n_max or 0, config.budget)
     say = progress or (lambda msg: None)
     step = StepForward(target.net, compile)
     say(f"target {target.name}: forwards of 1 .. {n_max} tokens after {context} cached")

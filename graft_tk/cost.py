@@ -40,6 +40,11 @@ class StepCost:
         if not self.step_ms >= 0:
             raise InputError(f"StepCost.step_ms must be >= 0, got {self.step_ms!r}")
 
+    def knee(self, ratio: float = 1.5) -> int:
+        """The widest verify costing at most ``ratio`` times a one-token forward: where a tree's
+        nodes stop being nearly free (the budget N ``graft-calibrate --cost-only`` starts from)."""
+        return max(n for n, ms in enumerate(self.verify_ms, 1) if ms <= ratio * self.verify_ms[0])
+
     def draft(self, width: int) -> float:
         """A drafter forward of ``width`` tokens (beyond the curve: its last point, scaled by width)."""
         if width <= len(self.draft_ms):

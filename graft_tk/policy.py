@@ -1,4 +1,4 @@
-"""Drafting depth chosen per step by expected gain (a request decoding alone, with a cost model).
+"""Drafting depth and verify width chosen per step by expected gain (a request decoding alone, with a cost model).
 
 A decode wants the most tokens per millisecond, R = E[tokens per step] / E[ms per step].
 Dinkelbach's rule turns that ratio into per-step decisions: with R the rate reached so far,
@@ -10,14 +10,18 @@ cost model (``graft_tk.cost.StepCost``) and the acceptance estimates (``graft_tk
   of the frontier could pay for it on its own: P(accepted | its score) >= R * draft_ms. Through
   the estimates' score -> acceptance map this is a score threshold, the step's log tau (what
   ``draft_expand``'s stop flag compares with). The configured tau stays a lower bound on it and
-  max_depth an upper bound on the depths. (The verify's size is the budget N at every step: it
-  costs the same whatever fills it.)
+  max_depth an upper bound on the depths.
 * drafting at all: a step runs the drafter (at least one forward, ``draft_ms`` of the tokens it
   has not seen) only while the drafted nodes accepted per drafting step (decayed, with an
   optimistic prior) pay for that forward, >= R * draft_ms[1]; otherwise the step verifies
   retrieval and prompt-lookup candidates alone, and every ``EXPLORE_EVERY``-th step drafts anyway
   to notice when the drafter becomes worth it again (a skipped drafter catches up on the tokens
   it missed in its next forward).
+* width: of the tree built at the budget N, the verify takes the n likeliest nodes (root
+  included) that maximise the tokens they are expected to add minus R times ``verify_ms[n - 1]``:
+  where the verify is flat every node with any chance pays, where it is steep only the likely
+  ones do. So a retrieved node competes with a drafted one for the same milliseconds, and N is
+  an upper bound (``graft-calibrate --cost-only`` sets it at the measured verify's knee).
 
 R is counted in the cost model's milliseconds of the steps taken, not the clock, so the choices
 are reproducible. It starts at plain decoding's rate (one token per one-token verify plus a
@@ -37,7 +41,7 @@ EXPLORE_EVERY = 8   # draft at least once in this many steps
 
 
 class StepPolicy:
-    """Drafting and its depth threshold per step (see the module docstring); lives as long as its engine."""
+    """Drafting, its depth threshold and the verify's width per step (see the module docstring); lives as long as its engine."""
 
     def __init__(self, cost: StepCost, top_k: int):
         self.cost, self.top_k = cost, top_k
@@ -68,6 +72,18 @@ class StepPolicy:
             if r >= p_min:
                 return max(log_tau_bound, edges[b - 1] if b else -math.inf)
         return math.inf
+
+    def verify_width(self, values: list[float]) -> int:
+        """How many nodes to verify, root included: ``values`` are the other nodes' estimated log
+        P(on the accepted path), best first (-inf: padding); the n maximising
+        sum(P of the best n - 1) - R * verify_ms[n - 1] (n at most the curve's length)."""
+        verify, rate = self.cost.verify_ms, self.rate
+        best_n, best, gain = 1, -rate * verify[0], 0.0
+        for n, value in enumerate(values[:len(verify) - 1], start=2):
+            gain += math.exp(value)
+            if gain - rate * verify[n - 1] > best:
+                best_n, best = n, gain - rate * verify[n - 1]
+        return best_n
 
     def observe(self, committed: int, verified: int, draft_widths: tuple[int, ...], drafted: bool,
                 drafted_accepted: int) -> None:
@@ -116,6 +132,18 @@ class DraftGate:
             self.since[k] = 0
             return not best
         return best
+
+    def verify_width(self, values: list[float]) -> int:
+        """How many nodes to verify, root included: ``values`` are the other nodes' estimated log
+        P(on the accepted path), best first (-inf: padding); the n maximising
+        sum(P of the best n - 1) - R * verify_ms[n - 1] (n at most the curve's length)."""
+        verify, rate = self.cost.verify_ms, self.rate
+        best_n, best, gain = 1, -rate * verify[0], 0.0
+        for n, value in enumerate(values[:len(verify) - 1], start=2):
+            gain += math.exp(value)
+            if gain - rate * verify[n - 1] > best:
+                best_n, best = n, gain - rate * verify[n - 1]
+        return best_n
 
     def observe(self, committed: int, seconds: float, drafted: bool) -> None:
         k, d = self._last, int(drafted)       # the situation of the last ``drafts`` call

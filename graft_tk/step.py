@@ -21,8 +21,9 @@ for the B rows at once:
 Shapes are the batch's: B rows, N nodes per tree (the largest budget of the step's methods; a
 row's unused places are padding, never accepted), so the device work of a step is the same
 program whatever the trees hold. Host reads: one per step, plus one per drafter depth when a row
-prunes, plus one when a request decoding alone asks the ``DraftGate`` whether to draft
-(``StepCounters`` counts them, and the launches, per step).
+prunes, plus one when a request decoding alone asks the ``DraftGate`` whether to draft, plus
+one when the cost model's policy chooses the verify's width (``graft_tk.policy``; the tree is then
+built again at that width). ``StepCounters`` counts them, and the launches, per step.
 """
 from __future__ import annotations
 
@@ -193,9 +194,18 @@ def _propose(engine, rows: list[Request], context: Tensor, config: GraftConfig, 
     cand_source = torch.cat([empty.to(torch.int8)] + [
         c.source if c.source is not None else torch.full_like(c.tokens, s.code, dtype=torch.int8)
         for s, c in proposals], 1)
-    built = ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, roots,
-                           torch.tensor(log_tau, dtype=torch.float32, device=device), cand_tokens,
-                           engine.cand_parents, cand_source, N, pool_values, cand_values)
+
+    def build(n: int) -> BuiltTree:
+        return ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, roots,
+                              torch.tensor(log_tau, dtype=torch.float32, device=device), cand_tokens,
+                              engine.cand_parents, cand_source, n, pool_values, cand_values)
+    built = build(N)
+    if policy is not None and not engine.compile:
+        # the verify's width by expected gain per ms (one host read; a compiled forward keeps N:
+        # every new width would compile a graph)
+        n = policy.verify_width(host_read(built.values[0, 1:].sort(descending=True).values))
+        if n < N:
+            built = build(n)
     clock.lap("retrieve")
     return built, pool, proposals, clock
 

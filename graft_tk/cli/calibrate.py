@@ -13,7 +13,9 @@ The device's cost model (``graft_tk.cost``: target and drafter forwards of 1 .. 
 other work) is measured for the held-out check after the search (``--validate``); with it the
 methods that prune choose their depth and budget per step (``graft_tk.policy``), and the profile
 keeps it when that is faster on the held-out prompts.
-``--cost-only`` measures just the cost model (a minute or two) into the pair's profile, then the
+``--cost-only`` measures just the cost model (a few minutes: verifies of up to 64 tokens; without
+a tuned profile the budget N becomes the verify's knee, the widest within 1.5x a one-token
+forward, and each step verifies the part of it that pays) into the pair's profile, then the
 acceptance priors: what the drafter's scores, each retrieval rank and each prompt-lookup match
 length are worth on this pair, from decoding the --n-prompts tuning prompts at the full budget.
 """
@@ -35,6 +37,8 @@ from ..methods import METHODS
 from ..models import load_model
 from ..sampling import check_sampling_args
 from ._models import add_quant_args, drafter_quant, drafter_spec, load_drafter
+
+COST_WIDTH = 64   # --cost-only measures verifies (and drafter forwards) up to this many tokens
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,9 +215,13 @@ def run_cost_only(args, target, drafter) -> int:
     profile = find_profile(target, drafter, directory)
     method, config, measured = ((profile.method, profile.config, profile.measured) if profile is not None
                                 else ("graft" if drafter is not None else "retrieval", GraftConfig(), {}))
+    widest = max(config.budget, COST_WIDTH)
     print(f"measuring the cost model of {target.name} + {drafter.name if drafter else 'no drafter'} "
-          f"up to {config.budget} tokens ...", file=sys.stderr)
-    cost = measure_step_cost(target, drafter, config, compile=args.compile, progress=_say)
+          f"up to {widest} tokens ...", file=sys.stderr)
+    cost = measure_step_cost(target, drafter, config, compile=args.compile, progress=_say, n_max=widest)
+    if profile is None:   # no tuned N: the verify's knee (the policy chooses each step's width below it)
+        config = dataclasses.replace(config, budget=cost.knee())
+        print(f"  budget N = {config.budget}: the widest verify within 1.5x a one-token forward", file=sys.stderr)
     tune, _ = split_prompts(load_prompts(args.prompts or default_prompts()), args.n_prompts, 0)
     priors = learn_priors(target, drafter, method, config, tune, args.max_new_tokens, args.compile, _say)
     config = dataclasses.replace(config, cost=cost, priors=priors)
