@@ -48,7 +48,7 @@ class Engine:
         self.sources: list = []
         self.cand_parents = torch.zeros(0, dtype=torch.int32, device=device)
         # With the device's cost model: the drafting depth chosen per step by expected gain (one request).
-        self.policy = StepPolicy(config.cost, config.top_k) if config.cost is not None else None
+        self.policy = StepPolicy(config.cost, config.top_k, config.budget) if config.cost is not None else None
         # Drafting skipped where prompt lookup already proposes what the drafter would add (one request).
         self.draft_gate = DraftGate()
         self.draft_rates_host = host_read(self.draft_rates.rate()) if self.policy is not None else None

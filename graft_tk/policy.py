@@ -7,13 +7,14 @@ it costs; re-estimating R from the steps taken converges to the best ratio. With
 cost model (``graft_tk.cost.StepCost``) and the acceptance estimates (``graft_tk.acceptance``):
 
 * depth: the next drafter forward (``draft_ms`` of its frontier) runs only if the likeliest node
-  of the frontier could pay for it on its own: P(accepted | its score) >= R * draft_ms. Through
+  of the frontier could pay for it and its own verify row on its own: P(accepted | its score) >=
+  R * (draft_ms + row_ms), row_ms the verify curve's mean slope up to N (~0 where it is flat). Through
   the estimates' score -> acceptance map this is a score threshold, the step's log tau (what
   ``draft_expand``'s stop flag compares with). The configured tau stays a lower bound on it and
   max_depth an upper bound on the depths.
-* drafting at all: a step runs the drafter (at least one forward, ``draft_ms`` of the tokens it
-  has not seen) only while the drafted nodes accepted per drafting step (decayed, with an
-  optimistic prior) pay for that forward, >= R * draft_ms[1]; otherwise the step verifies
+* drafting at all: a step runs the drafter only while the drafted nodes accepted per drafting
+  step pay for what a drafting step spends on them (its forwards and the drafted nodes' verify
+  rows; decayed, with an optimistic prior of one node for one forward); otherwise the step verifies
   retrieval and prompt-lookup candidates alone, and every ``EXPLORE_EVERY``-th step drafts anyway
   to notice when the drafter becomes worth it again (a skipped drafter catches up on the tokens
   it missed in its next forward).
@@ -43,10 +44,15 @@ EXPLORE_EVERY = 8   # draft at least once in this many steps
 class StepPolicy:
     """Drafting, its depth threshold and the verify's width per step (see the module docstring); lives as long as its engine."""
 
-    def __init__(self, cost: StepCost, top_k: int):
+    def __init__(self, cost: StepCost, top_k: int, budget: int = 16):
         self.cost, self.top_k = cost, top_k
+        n = min(budget, len(cost.verify_ms))
+        # what one more verified node costs: the verify curve's mean slope up to N (~0 where flat)
+        self.row_ms = (cost.verify_ms[n - 1] - cost.verify_ms[0]) / (n - 1) if n > 1 else 0.0
         self.tokens, self.ms = PRIOR_STEPS, PRIOR_STEPS * (cost.verify_ms[0] + cost.step_ms)
+        # drafting steps: drafted nodes accepted, and ms spent (forwards + the drafted nodes' verify rows)
         self.drafted_accepted, self.drafting_steps = PRIOR_STEPS, PRIOR_STEPS
+        self.drafting_ms = PRIOR_STEPS * (cost.draft(1) + self.row_ms) if cost.draft_ms else 0.0
         self.steps_without_drafting = 0
 
     @property
@@ -58,16 +64,16 @@ class StepPolicy:
         """Run the drafter this step? (see the module docstring)"""
         if not self.cost.draft_ms:
             return True
-        gain = self.drafted_accepted / self.drafting_steps
-        return (gain >= self.rate * self.cost.draft(1)) or self.steps_without_drafting + 1 >= EXPLORE_EVERY
+        gain, spent = self.drafted_accepted / self.drafting_steps, self.drafting_ms / self.drafting_steps
+        return gain >= self.rate * spent or self.steps_without_drafting + 1 >= EXPLORE_EVERY
 
     def depth_log_tau(self, draft_rates: list[float], edges: tuple[float, ...], log_tau_bound: float) -> float:
         """The step's drafting threshold: the lowest score whose estimated acceptance pays for a
-        drafter forward of K nodes (``draft_rates`` [B], non-decreasing, per
+        drafter forward of K nodes and its own verify row (``draft_rates`` [B], non-decreasing, per
         bucket of ``edges``; bucket b holds scores in (edges[b - 1], edges[b]]); +inf when no score does."""
         if not self.cost.draft_ms:
             return log_tau_bound
-        p_min = self.rate * self.cost.draft(self.top_k)
+        p_min = self.rate * (self.cost.draft(self.top_k) + self.row_ms)
         for b, r in enumerate(draft_rates):
             if r >= p_min:
                 return max(log_tau_bound, edges[b - 1] if b else -math.inf)
@@ -86,17 +92,19 @@ class StepPolicy:
         return best_n
 
     def observe(self, committed: int, verified: int, draft_widths: tuple[int, ...], drafted: bool,
-                drafted_accepted: int) -> None:
+                drafted_accepted: int, drafted_verified: int = 0) -> None:
         """Count a step: tokens committed, nodes verified, the widths of the drafter forwards it
-        is charged for, whether it drafted and how many drafted nodes were accepted."""
+        is charged for, whether it drafted, how many drafted nodes were accepted and verified."""
         c = self.cost
-        ms = c.step_ms + c.verify_ms[min(verified, len(c.verify_ms)) - 1] + sum(c.draft(w) for w in draft_widths)
+        drafting_ms = sum(c.draft(w) for w in draft_widths)
+        ms = c.step_ms + c.verify_ms[min(verified, len(c.verify_ms)) - 1] + drafting_ms
         self.tokens = RATE_DECAY * self.tokens + committed
         self.ms = RATE_DECAY * self.ms + ms
         self.steps_without_drafting = 0 if drafted else self.steps_without_drafting + 1
         if drafted:
             self.drafted_accepted = RATE_DECAY * self.drafted_accepted + drafted_accepted
             self.drafting_steps = RATE_DECAY * self.drafting_steps + 1
+            self.drafting_ms = RATE_DECAY * self.drafting_ms + drafting_ms + self.row_ms * drafted_verified
 
 
 class DraftGate:

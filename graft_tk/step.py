@@ -309,7 +309,7 @@ def _settle(engine, rows: list[Request], built: BuiltTree, pool: DraftPool, prop
     if engine.policy is not None and B == 1:
         r = rows[0]
         engine.policy.observe(r.stats.per_step["committed"][-1], N, pool.widths, drafted=pool.forwards[0] > 0,
-                              drafted_accepted=source[1:n_path[0]].count(DRAFT))
+                              drafted_accepted=source[1:n_path[0]].count(DRAFT), drafted_verified=nodes[DRAFT])
     if engine.drafter is not None and any(r.method.drafts for r in rows):
         # 9. the drafter keeps the KV of accepted drafted nodes (an EAGLE-3 head: the path's features)
         engine.drafter.commit(path, n_path, path_slots, node_slots, outcome.features, engine.ops)

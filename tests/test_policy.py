@@ -61,6 +61,23 @@ def test_depth_threshold_is_the_lowest_score_whose_acceptance_pays_for_a_forward
     policy.observe(committed=5, verified=1, draft_widths=(4,), drafted=True, drafted_accepted=3)   # raises R ...
     assert policy.rate == pytest.approx((0.95 * 4 + 5) / (0.95 * 40 + 10 + 4))
     assert policy.depth_log_tau(rates, SCORE_EDGES, -math.inf) > SCORE_EDGES[7]   # ... and the bar
+    # where each verified node costs a row (1 ms here), the frontier's best must pay for its row too:
+    # p_min = 0.1 * (4 + 1), bucket 10 first pays
+    steep = StepPolicy(dataclasses.replace(cost, verify_ms=(10.0, 11.0, 12.0, 13.0)), top_k=4, budget=4)
+    assert steep.row_ms == 1.0 and steep.depth_log_tau(rates, SCORE_EDGES, -math.inf) == SCORE_EDGES[9]
+
+
+def test_drafting_stops_where_the_drafted_nodes_rows_cost_more_than_they_add():
+    flat = StepCost(verify_ms=(10.0,) * 16, draft_ms=(1.0,) * 16, step_ms=0.0)
+    steep = dataclasses.replace(flat, verify_ms=tuple(10.0 * n for n in range(1, 17)))   # a row = a forward
+    choices = {}
+    for name, cost in (("flat", flat), ("steep", steep)):
+        policy = StepPolicy(cost, top_k=1, budget=16)
+        for _ in range(30):    # each drafting step: 2 forwards, 6 drafted nodes verified, 2 accepted
+            policy.observe(committed=3, verified=7, draft_widths=(1, 1), drafted=True, drafted_accepted=2,
+                           drafted_verified=6)
+        choices[name] = policy.should_draft()
+    assert choices == {"flat": True, "steep": False}
 
 
 def test_the_verify_takes_the_likeliest_nodes_that_pay_for_their_rows():

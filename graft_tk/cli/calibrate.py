@@ -219,12 +219,12 @@ def run_cost_only(args, target, drafter) -> int:
     print(f"measuring the cost model of {target.name} + {drafter.name if drafter else 'no drafter'} "
           f"up to {widest} tokens ...", file=sys.stderr)
     cost = measure_step_cost(target, drafter, config, compile=args.compile, progress=_say, n_max=widest)
-    if profile is None:   # no tuned N: the verify's knee (the policy chooses each step's width below it)
-        config = dataclasses.replace(config, budget=cost.knee())
-        print(f"  budget N = {config.budget}: the widest verify within 1.5x a one-token forward", file=sys.stderr)
     tune, _ = split_prompts(load_prompts(args.prompts or default_prompts()), args.n_prompts, 0)
     priors = learn_priors(target, drafter, method, config, tune, args.max_new_tokens, args.compile, _say)
     config = dataclasses.replace(config, cost=cost, priors=priors)
+    if profile is None:   # no tuned N: the verify's knee (the policy chooses each step's width below it)
+        config = dataclasses.replace(config, budget=cost.knee())
+        print(f"budget N = {config.budget}: the widest verify within 1.5x a one-token forward", file=sys.stderr)
     measured = {**measured, "cost_measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "priors_prompts": [p.id for p in tune]}
     path = write_profile(profile_key(target, drafter), method, config, measured, directory)
