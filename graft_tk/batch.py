@@ -98,7 +98,8 @@ class Batch:
         request = Request(method, sampling.seeded(), max_new_tokens, on_tokens, len(ids),
                           RequestStats(method.name, engine.ops.backend))
         row = len(self.rows)
-        prefill(engine, row, list(ids), request, self.context[row])
+        prefill(engine, row, list(ids), request, self.context[row], speculates=self.max_budget > 1,
+                drafts=self.max_depth > 0)
         if not request.done:
             self.rows.append(request)
         return request

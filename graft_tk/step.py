@@ -89,15 +89,18 @@ class StepRecord:
     counters: StepCounters
 
 
-def prefill(engine, row: int, ids: list[int], request: Request, context: Tensor) -> None:
+def prefill(engine, row: int, ids: list[int], request: Request, context: Tensor, speculates: bool = True,
+            drafts: bool = True) -> None:
     """Start ``request`` in cache row ``row``: the target's prefill (its last position's logits
     give the first token; with the adjacency matrix warmed from every position's), the drafter's
-    own pass, the prompt and the first token into ``context`` [L] (its row of the batch's)."""
+    own pass, the prompt and the first token into ``context`` [L] (its row of the batch's).
+    ``speculates`` / ``drafts`` False: no step of this batch ever will (every config's N = 1 /
+    D = 0), so M's warm-up / the drafter's pass are skipped."""
     target, ops, method = engine.target, engine.ops, request.method
     tnet, device, n = target.net, target.device, len(ids)
-    drafter = engine.drafter if method.drafts else None
+    drafter = engine.drafter if method.drafts and speculates and drafts else None
     layers = drafter.target_layers if drafter is not None else None
-    warm = method.uses("adjacency") and engine.adjacency.warm_from_prefill
+    warm = speculates and method.uses("adjacency") and engine.adjacency.warm_from_prefill
     prompt = torch.tensor([ids], device=device)
     # Target features for an EAGLE-3 drafter, and the last layer's states when M is warmed (its
     # logits made a chunk at a time, never [n, V] at once).

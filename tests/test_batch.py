@@ -137,6 +137,26 @@ def test_speculation_off_at_a_batch_size_and_back_on(smollm2, self_drafter, prom
     assert b.stats.per_step["nodes"][shared:] and set(b.stats.per_step["nodes"][shared:]) == {16}
 
 
+def test_a_batch_that_never_speculates_skips_the_drafters_pass_and_ms_warm_up(smollm2, self_drafter, prompts,
+                                                                                ar_alone, monkeypatch):
+    """Every config at N = 1 (what graft-calibrate --cost-only writes where a verify row costs a
+    forward): no prefill work for speculation. With D = 0 only the drafter's pass is skipped."""
+    engine = Engine(smollm2, self_drafter, GraftConfig(budget=1))
+    monkeypatch.setattr(engine.drafter, "start", lambda *a: pytest.fail("drafter prefilled"))
+    batch = Batch(engine, max_batch=1)
+    a = batch.add(prompts[0], "graft", max_new_tokens=12)
+    assert (engine.adjacency.matrix == -1).all()        # M not warmed from the prompt
+    while len(batch):
+        batch.step()
+    assert a.out == ar_alone[0][:12]
+    warm = Batch(Engine(smollm2, self_drafter, GraftConfig(budget=4, max_depth=0)), max_batch=1)
+    monkeypatch.setattr(warm.engine.drafter, "start", lambda *a: pytest.fail("drafter prefilled"))
+    b = warm.add(prompts[0], "graft", max_new_tokens=12)
+    while len(warm):
+        warm.step()
+    assert b.out == ar_alone[0][:12]
+
+
 def test_no_drafting_at_a_batch_size_then_drafting_again(smollm2, self_drafter, prompts, ar_alone):
     """Policy {2: N = 4, D = 0}: while two requests share the batch they speculate without the
     drafter (retrieval only: no drafter forward, 4-node trees); alone again, the long one drafts,
