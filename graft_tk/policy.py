@@ -1,4 +1,4 @@
-"""Drafting depth and verify width chosen per step by expected gain (a request decoding alone, with a cost model).
+"""Drafting depth and verify width chosen per step by expected gain (a request alone, with a cost model).
 
 A decode wants the most tokens per millisecond, R = E[tokens per step] / E[ms per step].
 Dinkelbach's rule turns that ratio into per-step decisions: with R the rate reached so far,
@@ -8,7 +8,7 @@ cost model (``graft_tk.cost.StepCost``) and the acceptance estimates (``graft_tk
 
 * depth: the next drafter forward (``draft_ms`` of its frontier) runs only if the likeliest node
   of the frontier could pay for it and its own verify row on its own: P(accepted | its score) >=
-  R * (draft_ms + row_ms), row_ms the verify curve's mean slope up to N (~0 where it is flat). Through
+  R * (draft_ms + row_ms), row_ms the verify curve's mean slope up to N (~0 where flat). Through
   the estimates' score -> acceptance map this is a score threshold, the step's log tau (what
   ``draft_expand``'s stop flag compares with). The configured tau stays a lower bound on it and
   max_depth an upper bound on the depths.
@@ -42,7 +42,8 @@ EXPLORE_EVERY = 8   # draft at least once in this many steps
 
 
 class StepPolicy:
-    """Drafting, its depth threshold and the verify's width per step (see the module docstring); lives as long as its engine."""
+    """Drafting, its depth threshold and the verify's width per step (see the module docstring);
+    lives as long as its engine."""
 
     def __init__(self, cost: StepCost, top_k: int, budget: int = 16):
         self.cost, self.top_k = cost, top_k
@@ -140,18 +141,6 @@ class DraftGate:
             self.since[k] = 0
             return not best
         return best
-
-    def verify_width(self, values: list[float]) -> int:
-        """How many nodes to verify, root included: ``values`` are the other nodes' estimated log
-        P(on the accepted path), best first (-inf: padding); the n maximising
-        sum(P of the best n - 1) - R * verify_ms[n - 1] (n at most the curve's length)."""
-        verify, rate = self.cost.verify_ms, self.rate
-        best_n, best, gain = 1, -rate * verify[0], 0.0
-        for n, value in enumerate(values[:len(verify) - 1], start=2):
-            gain += math.exp(value)
-            if gain - rate * verify[n - 1] > best:
-                best_n, best = n, gain - rate * verify[n - 1]
-        return best_n
 
     def observe(self, committed: int, seconds: float, drafted: bool) -> None:
         k, d = self._last, int(drafted)       # the situation of the last ``drafts`` call
