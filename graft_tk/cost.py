@@ -22,6 +22,9 @@ import torch
 from .errors import InputError
 
 
+KNEE_RATIO = 1.5   # the verify's knee: the widest verify costing at most this many one-token forwards
+
+
 @dataclass(frozen=True)
 class StepCost:
     verify_ms: tuple[float, ...]   # [n - 1]: target forward of n tokens
@@ -40,7 +43,7 @@ class StepCost:
         if not self.step_ms >= 0:
             raise InputError(f"StepCost.step_ms must be >= 0, got {self.step_ms!r}")
 
-    def knee(self, ratio: float = 1.5) -> int:
+    def knee(self, ratio: float = KNEE_RATIO) -> int:
         """The widest verify costing at most ``ratio`` times a one-token forward: where a tree's
         nodes stop being nearly free (the budget N ``graft-calibrate --cost-only`` starts from)."""
         return max(n for n, ms in enumerate(self.verify_ms, 1) if ms <= ratio * self.verify_ms[0])

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from ..bench.prompts import Prompt, load_prompts, spec_bench_path
 from ..config import GraftConfig
+from ..cost import KNEE_RATIO
 from ..errors import CorruptFileError, GraftError, InputError
 from ..methods import METHODS
 from ..models import load_model
@@ -224,7 +225,8 @@ def run_cost_only(args, target, drafter) -> int:
     config = dataclasses.replace(config, cost=cost, priors=priors)
     if profile is None:   # no tuned N: the verify's knee (the policy chooses each step's width below it)
         config = dataclasses.replace(config, budget=cost.knee())
-        print(f"budget N = {config.budget}: the widest verify within 1.5x a one-token forward", file=sys.stderr)
+        print(f"budget N = {config.budget}: the widest verify within {KNEE_RATIO}x a one-token forward",
+              file=sys.stderr)
     measured = {**measured, "cost_measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "priors_prompts": [p.id for p in tune]}
     path = write_profile(profile_key(target, drafter), method, config, measured, directory)
