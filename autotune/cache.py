@@ -48,8 +48,8 @@ def cache_path() -> Path:
 @dataclass(frozen=True)
 class Environment:
     """The machine half of a key: which GPU, and which software built the kernel."""
-    gpu: str          # torch.cuda.get_device_name, or "cpu"
-    capability: str   # "9.0"; "" on CPU
+    gpu: str          # torch.cuda.get_device_name, or "CPU <model name>" (cpu_identity)
+    capability: str   # "9.0"; on a CPU its kernel-picking ISA flags and torch's threads
     triton: str
     torch: str
     graft_tk: str
@@ -66,9 +66,31 @@ def environment(device_index: int | None = None) -> Environment:
         gpu = torch.cuda.get_device_name(index)
         capability = "{}.{}".format(*torch.cuda.get_device_capability(index))
     else:
-        gpu, capability = "cpu", ""
+        gpu, capability = cpu_identity()
     return Environment(gpu=gpu, capability=capability, triton=triton.__version__, torch=torch.__version__,
                        graft_tk=__version__)
+
+
+# The /proc/cpuinfo flags that decide which CPU kernel is fastest (vector width, dot products, bf16, AMX).
+ISA_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
+             "amx_int8", "amx_bf16")
+
+
+def cpu_identity() -> tuple[str, str]:
+    """("CPU <model name>", "<ISA flags> threads=<n>"): what a CPU timing is keyed by (Linux's
+    /proc/cpuinfo; elsewhere the platform's processor string and no flags)."""
+    import platform
+
+    import torch
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in info.splitlines() if ":" in line)}
+    model = " ".join(fields.get("model name", "").split()) or platform.processor() or "unknown"
+    flags = set(fields.get("flags", "").split())
+    isa = " ".join(f for f in ISA_FLAGS if f in flags)
+    return f"CPU {model}", f"{isa} threads={torch.get_num_threads()}".strip()
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 # Registry of tunable kernels: name -> "module:attribute" of its Tunable, imported on first use
 # (the kernel modules import this package, so it cannot import them at the top).
-KERNELS = {"tree_attention": "graft_tk.autotune.tree_attention:TUNABLE"}
+KERNELS = {"tree_attention": "graft_tk.autotune.tree_attention:TUNABLE",
+           "cpu_linear": "graft_tk.autotune.cpu_linear:TUNABLE"}
 
 Benchmark = Callable[[str, dict], float]   # (bucket, config) -> milliseconds
 
@@ -52,6 +53,7 @@ class Tunable:
     heuristic: Callable[[str], dict]       # bucket -> the untuned default
     benchmark: Benchmark                   # times one config on a representative input of the bucket
     shapes: Sequence[dict] = field(default=())  # shape keywords that `graft-autotune tune` covers by default
+    device: str = "cuda"                   # where it runs and is timed: "cuda" (Triton) or "cpu"
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,7 +77,8 @@ def parse_bucket(bucket: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def source_hash(kernel) -> str:
-    """sha256 of a Triton kernel's source from its ``def`` on: the same compiled or interpreted."""
+    """sha256 of a Triton kernel's source from its ``def`` on (the same compiled or interpreted), or
+    of a module's from its first ``def`` (``cpu_linear``: its paths live in one module)."""
     src = textwrap.dedent(inspect.getsource(getattr(kernel, "fn", kernel)))
     src = src[re.search(r"^def\s", src, re.MULTILINE).start():]
     return hashlib.sha256(src.encode()).hexdigest()

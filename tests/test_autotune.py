@@ -107,8 +107,10 @@ def test_next_process_uses_the_entry_without_benchmarking(cache_file):
     code = ("import json; from graft_tk.autotune import resolve; from tests.test_autotune import TOY, FakeTimer; "
             "t = FakeTimer({16: 2.0, 64: 1.0}); "
             "print(json.dumps([resolve(TOY, 'n=256', {'BLOCK': 16}, tune_on_miss=True, benchmark=t), t.calls]))")
+    # the same threads as this process: on a CPU they are part of the key
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "GRAFT_TK_AUTOTUNE_CACHE": str(cache_file)})
+                       env={**os.environ, "GRAFT_TK_AUTOTUNE_CACHE": str(cache_file),
+                            "OMP_NUM_THREADS": str(torch.get_num_threads())})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [{"BLOCK": 64}, 0]
 

@@ -95,27 +95,30 @@ def test_cpu_packed_layer_matches_the_reference_and_is_row_invariant(mode, dtype
 
 
 def test_a_wide_int8_call_in_bf16_runs_bf16_gemms_on_the_exact_weights(monkeypatch):
-    """From WIDE_ROWS rows (a prefill) on a CPU with native bf16, an int8 layer converts its weight
-    into its thread's scratch, a block of outputs at a time (40 here), and runs bf16 GEMMs: the
-    reference's product within bf16's rounding, narrower calls still the packed kernel's. Forced
-    here, so that it runs on any CPU."""
-    from graft_tk.models import quant
-    monkeypatch.setattr(quant, "native_bf16_cpu", lambda: True)
-    monkeypatch.setattr(quant, "WIDE_ELEMENTS", 40 * 256)
+    """From 64 rows (a prefill) on a CPU with native bf16, an int8 layer's plan (the heuristic,
+    without a tuned entry) converts its weight into its thread's scratch, a block of outputs at a
+    time (40 here), and runs bf16 GEMMs: the reference's product within bf16's rounding, narrower
+    calls still the packed kernel's. Forced here, so that it runs on any CPU."""
+    from graft_tk.models import cpu_paths
+    monkeypatch.setattr(cpu_paths, "native_bf16_cpu", lambda: True)
+    monkeypatch.setattr(cpu_paths, "BLOCK_ELEMENTS", 40 * 256)
+    monkeypatch.setenv("GRAFT_TK_AUTOTUNE_CACHE", "/nonexistent/autotune.json")
     torch.manual_seed(3)
     N, K = 96, 256
     q, s, _ = _weights("int8", N, K, torch.float32)
     bias = torch.randn(N)
     layer = QuantLinear(q, s, None, bias, torch.bfloat16)
-    assert layer.wide and not QuantLinear(q, s, None, bias, torch.float32).wide
-    x = torch.randn(quant.WIDE_ROWS, K).to(torch.bfloat16)
+    layer.paths = cpu_paths.plan("int8", N, K)
+    assert layer.paths == ("native",) * 6 + ("blocks",) * 2
+    x = torch.randn(64, K).to(torch.bfloat16)
     want = quant_matmul(x, q, s.to(torch.bfloat16), None, 32, bias.to(torch.bfloat16))
     rtol, atol = QUANT_MATMUL_TOL[torch.bfloat16]
     y = layer(x)
     torch.testing.assert_close(y.float(), want.float(), rtol=rtol, atol=atol * want.abs().max().item())
+    assert cpu_paths._scratch.buf.dtype == torch.bfloat16
     packed = torch.ops.aten._weight_int8pack_mm(x[:8].contiguous(), layer.qweight, layer.scales) + layer.bias
     assert torch.equal(layer(x[:8]), packed)
-    assert layer(x).data_ptr() != quant._scratch.buf.data_ptr()   # the output is never the scratch
+    assert layer(x).data_ptr() != cpu_paths._scratch.buf.data_ptr()   # the output is never the scratch
 
 
 def test_an_int8_weight_that_starts_off_a_cache_line_is_realigned():

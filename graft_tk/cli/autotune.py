@@ -1,6 +1,8 @@
-"""graft-autotune: tune Triton tile sizes once per GPU, then share the cache with a team and CI.
+"""graft-autotune: tune Triton tile sizes once per GPU, and each CPU linear layer's path per call
+width once per CPU, then share the cache with a team and CI.
 
     graft-autotune tune [--kernels tree_attention] [--shapes rows=64,head_dim=128,kv_len=4096,dtype=bfloat16]
+    graft-autotune tune --model qwen2.5-coder-1.5b [--dtype bf16] [--quant int8]   # CPU linears
     graft-autotune show
     graft-autotune export FILE          # on the tuning box
     graft-autotune import FILE          # in the serving image / CI
@@ -8,7 +10,7 @@
     graft-autotune clear
 
 The cache is $GRAFT_TK_AUTOTUNE_CACHE (default $GRAFT_TK_HOME/autotune.json). An entry is used
-only on the GPU, versions and kernel source it was tuned with; imported entries for other GPUs
+only on the GPU (or CPU model, ISA flags and threads), versions and kernel source it was tuned with; imported entries for other GPUs
 are kept for those GPUs and never applied here.
 """
 from __future__ import annotations
@@ -39,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shapes", nargs="+", default=None, metavar="NAME=VALUE,...",
                    help="shapes to tune, e.g. rows=54,head_dim=128,kv_len=1000,dtype=bfloat16 "
                         "(rounded to their bucket; default: each kernel's common shapes)")
+    t.add_argument("--model", default=None, help="tune the CPU paths (cpu_linear) of this model's linear layers "
+                   "at every call width: a built-in name, checkpoint folder or .gguf file")
+    t.add_argument("--dtype", default="bf16", help="with --model: its compute dtype (default bf16)")
+    t.add_argument("--quant", default="none", help="with --model: its weight format (none, int8, int4, int4-all)")
     t.add_argument("--force", action="store_true", help="retune buckets that already have a usable entry")
     add("show", "list the cached entries and whether each is usable here")
     e = add("export", "write the cache to FILE (to import on other machines)")
@@ -71,15 +77,23 @@ def tune(args, path: Path) -> int:
     from tqdm.auto import tqdm
 
     from ..autotune import cache, tuner
-    if not torch.cuda.is_available():
-        raise tuner.AutotuneError(
-            "graft-autotune tune needs a CUDA GPU; none is visible here (torch.cuda.is_available() is False). "
-            "Tune on a machine with the target GPU, run graft-autotune export FILE there, and "
-            "graft-autotune import FILE here; without a tuned entry kernels use their heuristic tile sizes")
+    # by default: --model's CPU linears, else every GPU kernel
+    names = args.kernels or ([CPU_LINEAR] if args.model else [k for k in tuner.KERNELS if k != CPU_LINEAR])
     jobs = []   # (tunable, bucket)
-    for name in args.kernels or list(tuner.KERNELS):
+    for name in names:
         tunable = tuner.get_tunable(name)
-        shapes = [tuner.parse_bucket(s) for s in args.shapes] if args.shapes else list(tunable.shapes)
+        if tunable.device == "cuda" and not torch.cuda.is_available():
+            raise tuner.AutotuneError(
+                f"tuning {name} needs a CUDA GPU; none is visible here (torch.cuda.is_available() is False). "
+                "Tune on a machine with the target GPU, run graft-autotune export FILE there, and "
+                "graft-autotune import FILE here; without a tuned entry kernels use their heuristic tile sizes. "
+                "On a CPU, graft-autotune tune --model NAME tunes that model's linear layers")
+        if args.shapes:
+            shapes = [tuner.parse_bucket(s) for s in args.shapes]
+        elif name == CPU_LINEAR:
+            shapes = _model_shapes(args)
+        else:
+            shapes = list(tunable.shapes)
         for shape in shapes:
             try:
                 bucket = tunable.bucket(**shape)
@@ -103,6 +117,20 @@ def tune(args, path: Path) -> int:
             versus = f"heuristic {entry.heuristic_ms:.4f} ms ({entry.heuristic_ms / entry.time_ms:.2f}x)"
         print(f"{tunable.name} {bucket}: tuned {_config(entry.config)} {entry.time_ms:.4f} ms vs {versus}")
     return 0
+
+
+CPU_LINEAR = "cpu_linear"
+
+
+def _model_shapes(args) -> list[dict]:
+    """Every CPU linear shape of ``--model`` at every width (``graft_tk.autotune.cpu_linear.shapes``)."""
+    if not args.model:
+        raise InputError("tuning cpu_linear needs --model NAME (its layers' shapes) or --shapes "
+                         "format=bf16,n=17920,k=1536,rows=16")
+    import graft_tk
+    from ..autotune import cpu_linear
+    model = graft_tk.load_model(args.model, dtype=args.dtype, device="cpu", quant=args.quant)
+    return cpu_linear.shapes(model.net)
 
 
 def show(args, path: Path) -> int:
@@ -191,7 +219,8 @@ def _table(entries) -> list[tuple[str, ...]]:
     env, hashes = cache.environment(), _source_hashes(entries)
     rows = [("KERNEL", "GPU", "BUCKET", "CONFIG", "MS", "HEURISTIC MS", "STATUS")]
     for e in entries:
-        gpu = f"{e.key.gpu} (sm {e.key.capability})" if e.key.capability else e.key.gpu
+        gpu = e.key.gpu if not e.key.capability else (f"{e.key.gpu} ({e.key.capability})" if e.key.gpu.startswith("CPU")
+                                                      else f"{e.key.gpu} (sm {e.key.capability})")
         rows.append((e.key.kernel, gpu, e.key.bucket, _config(e.config), f"{e.time_ms:.4f}",
                      f"{e.heuristic_ms:.4f}" if e.heuristic_ms is not None else "-", cache.status(e, env, hashes)))
     return rows

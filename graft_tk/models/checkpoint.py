@@ -143,6 +143,7 @@ def load_transformer(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: t
     """Build the model on the meta device and fill it from the checkpoint's tensors. A quantized
     folder (``quant.json``) gives QuantLinear layers; ``quant`` on a float folder quantizes them
     after loading (``quantize_model``)."""
+    from . import cpu_paths
     from .quant import QuantLinear, quantize_model
 
     with torch.device("meta"):
@@ -189,4 +190,5 @@ def load_transformer(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: t
     net.inv_freq = rope_inv_freq(cfg).to(device)
     if quant != "none" and quant_of(path) == "none":
         quantize_model(net, quant)
+    cpu_paths.apply(net)          # each CPU layer's path per call width (graft-autotune's picks)
     return net.eval().requires_grad_(False)

@@ -12,23 +12,20 @@ uses both q = 0 and q = 15 (most do; the rest are re-quantized within the group'
 Where the matmul runs:
   * CPU: torch's packed kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``; the
     int4 weight is repacked into their layout at load and its scales and zeros into one
-    [K / 32, N, 2] tensor); an int8 layer's prefill-wide call in bf16 on a CPU with native bf16:
-    its weight converted to bf16 in a scratch, bf16 GEMMs, then the scales (``WIDE_ROWS``);
+    [K / 32, N, 2] tensor); an int8 layer's calls from the width its plan says (``cpu_paths``:
+    measured by graft-autotune, else from 64 rows where bf16 is native) convert the weight block
+    by block into a scratch and run float GEMMs, then the scales;
   * CUDA: the Triton kernel ``graft_tk.kernels.quant_matmul`` (W4A16 / W8A16);
   * anywhere else: the torch reference.
 """
 from __future__ import annotations
 
-import functools
-import threading
-from pathlib import Path
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import InputError
 from ..reference import quant_matmul as reference
+from . import cpu_paths
 
 # "int4-all": every linear layer int4, those the GGUF stores finer (Q5_x, Q6_K, Q8_0) re-quantized to
 # 4 bits too; for a drafter, whose lost bits cost acceptance, never output (verification is exact).
@@ -77,32 +74,6 @@ def quantize_int4(w: Tensor, group: int = GROUP) -> tuple[Tensor, Tensor, Tensor
     return packed, scales, lo + 8 * scales
 
 
-# From this many rows (a prefill), an int8 layer in bf16 copies its weight into a bf16 scratch buffer
-# kept per thread, WIDE_ELEMENTS weights at a time, and runs bf16 GEMMs, on a CPU with native bf16
-# (AVX-512 BF16 / AMX) where torch's packed kernel is compute-bound (see README, Quantized weights).
-WIDE_ROWS = 64
-WIDE_ELEMENTS = 1 << 25     # a 64 MiB scratch: a whole layer of the built-in models, an LM head in parts
-_scratch = threading.local()
-
-
-def _bf16_weight(q: Tensor) -> Tensor:
-    """``q`` (int8) as bf16 in this thread's scratch buffer (a fresh 50 MB tensor costs 8x the copy)."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < q.numel():
-        buf = _scratch.buf = torch.empty(max(WIDE_ELEMENTS, q.numel()), dtype=torch.bfloat16)
-    return buf[:q.numel()].view(q.shape).copy_(q)
-
-
-@functools.cache
-def native_bf16_cpu() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX; Linux's /proc/cpuinfo)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def _aligned(t: Tensor) -> Tensor:
     """``t`` contiguous and starting on a 64-byte boundary: torch's int8 CPU kernel crashes from 4
     rows of activations up on a weight that does not (seen with safetensors-loaded tensors, which
@@ -129,7 +100,7 @@ class QuantLinear(nn.Module):
         # torch's CPU kernels (int4: N a multiple of 16); else the Triton kernel or the reference
         self.cpu = qweight.device.type == "cpu" and (self.mode == "int8" or self.out_features % 16 == 0)
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
-        self.wide = self.cpu and self.mode == "int8" and dtype == torch.bfloat16 and native_bf16_cpu()
+        self.paths: tuple[str, ...] | None = None    # per call width on a CPU (cpu_paths.apply)
         if self.mode == "int8":
             self.register_buffer("qweight", _aligned(qweight.to(torch.int8)))
             self.register_buffer("scales", _aligned(scales.to(dtype)))
@@ -156,8 +127,8 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.cpu:
             x2 = x2.contiguous()
-            if self.wide and x2.shape[0] >= WIDE_ROWS and not torch.compiler.is_compiling():
-                y = self._wide(x2)
+            if cpu_paths.pick(self.paths, x2.shape[0]) == "blocks":
+                y = cpu_paths.blocks(x2, self.qweight, self.scales)
             elif self.mode == "int8":
                 y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
             else:
@@ -171,13 +142,6 @@ class QuantLinear(nn.Module):
                 quant_matmul = reference.quant_matmul
             y = quant_matmul(x2, self.qweight, self.scales, self.zeros, self.group, self.bias)
         return y.reshape(*lead, self.out_features)
-
-    def _wide(self, x: Tensor) -> Tensor:
-        """``x W^T`` by bf16 GEMMs over the exact weights, a scratch-sized block of outputs at a time."""
-        step = max(1, WIDE_ELEMENTS // self.in_features)
-        parts = [F.linear(x, _bf16_weight(self.qweight[i:i + step])) * self.scales[i:i + step]
-                 for i in range(0, self.out_features, step)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def dequantized(self) -> Tensor:
         """The float weight [N, K] this layer multiplies by (for tools that need it, e.g. EAGLE-3 training)."""

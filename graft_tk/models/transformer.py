@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from ..errors import InputError
 from ..reference.tree_attention import tree_attention as reference_attention
+from . import cpu_paths
 from .attention import AttentionPlan
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -165,6 +166,15 @@ def ensure_cache(module: nn.Module, n_layers: int, batch_size: int, n_kv_heads: 
         module.kv[:, :, :, :, :kv.shape[4]] = kv
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that on a CPU multiplies the way its plan says for each call width
+    (``cpu_paths``: measured by graft-autotune; None, the default, is plain ``F.linear``)."""
+    paths: tuple[str, ...] | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return cpu_paths.linear(x, self.weight, self.bias, self.paths)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -172,8 +182,8 @@ class Attention(nn.Module):
         q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         # q, k and v in one matmul: one weight read instead of three per token (a decode step on
         # CPU is memory-bound).
-        self.wqkv = nn.Linear(cfg.dim, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(q_size, cfg.dim, bias=False)
+        self.wqkv = Linear(cfg.dim, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.wo = Linear(q_size, cfg.dim, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -220,8 +230,8 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.w13 = nn.Linear(cfg.dim, 2 * cfg.intermediate_size, bias=False)  # gate and up, fused
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+        self.w13 = Linear(cfg.dim, 2 * cfg.intermediate_size, bias=False)  # gate and up, fused
+        self.w2 = Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
@@ -248,9 +258,10 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
-        self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = None if cfg.tie_word_embeddings else Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.kv: Tensor | None = None  # [L, 2, B, Hkv, S, Dh], see setup_cache
         self.rope: RopeTable | None = None
+        self.head_paths: tuple[str, ...] | None = None   # a tied head's CPU plan (cpu_paths.apply)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @property
@@ -342,7 +353,9 @@ class Transformer(nn.Module):
     def logits(self, x: Tensor) -> Tensor:
         """The LM head over the last layer's residual stream x [..., dim]: fp32 logits [..., V]."""
         h = self.norm(x)
-        return (F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)).float()
+        if self.output is None:
+            return cpu_paths.linear(h, self.tok_embeddings.weight, None, self.head_paths).float()
+        return self.output(h).float()
 
 
 def select_positions(x: Tensor, at: int | Tensor | None) -> Tensor:

@@ -1,0 +1,158 @@
+"""Which way each linear layer multiplies on a CPU, per call width: measured, not assumed.
+
+A linear layer's matmul runs more than one exact way on a CPU (the same weights, float
+accumulation), and the fastest depends on the ISA and on the rows of the call (1 for ``ar`` and
+the drafter, N for a verify, hundreds in a prefill):
+
+  * ``native``: ``F.linear`` on the layer's own weight (bf16 / fp16 / fp32), torch's packed
+    kernels for int8 / int4 (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``);
+  * ``blocks``: the weight converted BLOCK_ELEMENTS at a time into a scratch buffer in the format
+    this CPU multiplies fastest (bf16 with AVX-512 BF16 / AMX, else fp32), one GEMM per block, an
+    int8 layer's scales after. The conversion is a fixed cost per call, paid back from some width
+    on: where bf16 is not native torch's bf16 GEMM costs the same per row at every width.
+
+``graft-autotune tune --model NAME`` times both at each of WIDTHS for every layer shape of a model
+and stores the faster in the autotune cache (kernel ``cpu_linear``, keyed by this CPU's model, ISA
+flags and threads and by this file's source). A call of r rows takes the pick of the smallest
+width >= r (the widest beyond). Without an entry ``heuristic`` decides. int4 and fp32 layers
+have one path. Compiled forwards always run ``native`` (inductor picks its own kernels there).
+"""
+from __future__ import annotations
+
+import bisect
+import functools
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..autotune import cache
+from ..autotune.tuner import source_hash
+
+KERNEL = "cpu_linear"                      # its name in the autotune cache
+WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)     # call widths measured; a plan holds one path per width
+BLOCK_ELEMENTS = 1 << 22                   # weights converted per block (16 MiB in fp32: stays in L3)
+_FLOAT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_scratch = threading.local()
+
+
+@functools.cache
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX; Linux's /proc/cpuinfo)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def candidates(fmt: str) -> tuple[str, ...]:
+    """The paths a layer of weight format ``fmt`` ("bf16", "fp16", "fp32", "int8", "int4") can take."""
+    return ("native", "blocks") if fmt in ("bf16", "fp16", "int8") else ("native",)
+
+
+def heuristic(fmt: str, rows: int) -> str:
+    """The path without a tuned entry. int8 from 64 rows on a CPU with native bf16, where torch's
+    packed kernel is compute-bound; bf16 / fp16 from 16 rows where bf16 is not native (the
+    crossover measured on a 2-core AVX2 EPYC: a 1536x17920 layer 41 ms native vs 29 ms in blocks
+    at 16 rows, 21 vs 26 ms at 8); else native."""
+    if fmt == "int8" and native_bf16_cpu():
+        return "blocks" if rows >= 64 else "native"
+    if fmt in ("bf16", "fp16") and not native_bf16_cpu():
+        return "blocks" if rows >= 16 else "native"
+    return "native"
+
+
+def bucket(format: str, n: int, k: int, rows: int) -> str:
+    """The autotune cache's bucket of one layer shape at one width (rows rounded up into WIDTHS)."""
+    if format not in ("bf16", "fp16", "fp32", "int8", "int4"):
+        raise ValueError(f"format {format!r} is not one of bf16, fp16, fp32, int8, int4")
+    if min(int(n), int(k), int(rows)) < 1:
+        raise ValueError(f"n, k and rows must be >= 1, got {n}, {k}, {rows}")
+    return f"format={format},n={int(n)},k={int(k)},rows={WIDTHS[width_slot(int(rows))]}"
+
+
+def width_slot(rows: int) -> int:
+    """The index in WIDTHS whose pick a call of ``rows`` rows takes."""
+    return min(bisect.bisect_left(WIDTHS, rows), len(WIDTHS) - 1)
+
+
+def key(b: str) -> cache.Key:
+    return cache.Key.make(KERNEL, b, source_hash(sys.modules[__name__]), cache.environment())
+
+
+def plan(fmt: str, n: int, k: int) -> tuple[str, ...]:
+    """The path at each of WIDTHS for a layer of this format and shape: tuned entries, else the heuristic."""
+    picks = []
+    for rows in WIDTHS:
+        entry = cache.lookup(key(bucket(fmt, n, k, rows)))
+        path = entry.config.get("path") if entry is not None else None
+        picks.append(path if path in candidates(fmt) else heuristic(fmt, rows))
+    return tuple(picks)
+
+
+def float_format(dtype: torch.dtype) -> str:
+    return _FLOAT[dtype]
+
+
+def apply(net: torch.nn.Module) -> int:
+    """Give every linear layer of ``net`` on a CPU its plan (``paths``; a tied LM head:
+    ``net.head_paths``), None where every width is ``native``; returns how many got a plan."""
+    from .quant import QuantLinear
+    from .transformer import Linear
+
+    plans: dict[tuple, tuple[str, ...] | None] = {}
+
+    def planned(fmt: str, n: int, k: int) -> tuple[str, ...] | None:
+        if (fmt, n, k) not in plans:
+            p = plan(fmt, n, k)
+            plans[fmt, n, k] = p if "blocks" in p else None
+        return plans[fmt, n, k]
+
+    for m in net.modules():
+        if isinstance(m, Linear) and m.weight.device.type == "cpu":
+            m.paths = planned(float_format(m.weight.dtype), *m.weight.shape)
+        elif isinstance(m, QuantLinear) and m.cpu:
+            m.paths = planned(m.mode, m.out_features, m.in_features)
+    head = getattr(net, "tok_embeddings", None)
+    if getattr(net, "output", 0) is None and head is not None and head.weight.device.type == "cpu":
+        net.head_paths = planned(float_format(head.weight.dtype), *head.weight.shape)
+    layers = [m for m in net.modules() if isinstance(m, (Linear, QuantLinear))]
+    return sum(getattr(m, "paths", None) is not None for m in layers) + (getattr(net, "head_paths", None) is not None)
+
+
+def pick(paths: tuple[str, ...] | None, rows: int) -> str:
+    """The path of a call of ``rows`` rows (``native`` without a plan and inside a compiled graph)."""
+    if paths is None or torch.compiler.is_compiling():
+        return "native"
+    return paths[width_slot(rows)]
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, paths: tuple[str, ...] | None) -> Tensor:
+    """``F.linear`` of a float layer along its plan."""
+    if pick(paths, x.numel() // x.shape[-1]) == "native":
+        return F.linear(x, weight, bias)
+    y = blocks(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
+def blocks(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
+    """``(x @ weight^T) * scales`` in ``x``'s dtype, ``weight`` [N, K] (float or int8) converted
+    BLOCK_ELEMENTS at a time into this thread's scratch buffer (bf16 where it is native, else
+    fp32; a fresh 50 MB tensor per block would cost several times the copy)."""
+    dtype = torch.bfloat16 if native_bf16_cpu() and x.dtype == torch.bfloat16 else torch.float32
+    n, k = weight.shape
+    step = max(1, BLOCK_ELEMENTS // k)
+    xs = x.to(dtype)
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.dtype != dtype or buf.numel() < min(n, step) * k:
+        buf = _scratch.buf = torch.empty(max(BLOCK_ELEMENTS, k), dtype=dtype)
+    parts = []
+    for i in range(0, n, step):
+        w = weight[i:i + step]
+        y = F.linear(xs, buf[:w.numel()].view(w.shape).copy_(w))
+        parts.append(y if scales is None else y * scales[i:i + step].to(dtype))
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(x.dtype)

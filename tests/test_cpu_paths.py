@@ -1,0 +1,121 @@
+"""Each CPU linear layer's path per call width (graft_tk.models.cpu_paths): the paths agree with
+F.linear, the plan follows the autotune cache (keyed by this CPU) and falls back to the heuristic,
+and graft-autotune tunes a model's shapes on a CPU."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graft_tk.autotune import AutotuneWarning, cache, tuner
+from graft_tk.cli import autotune as cli
+from graft_tk.models import cpu_paths
+from graft_tk.models.transformer import Linear
+
+from .tolerances import QUANT_MATMUL_TOL
+
+
+@pytest.fixture
+def cache_file(tmp_path, monkeypatch):
+    path = tmp_path / "autotune.json"
+    monkeypatch.setenv("GRAFT_TK_AUTOTUNE_CACHE", str(path))
+    return path
+
+
+def test_blocks_multiply_the_same_weights_as_f_linear(monkeypatch):
+    """A bf16 layer in blocks (here 5 output rows per block) is F.linear within bf16's rounding;
+    widths the plan keeps native are F.linear exactly; the output is never the scratch."""
+    monkeypatch.setattr(cpu_paths, "BLOCK_ELEMENTS", 5 * 64)
+    torch.manual_seed(0)
+    layer = Linear(64, 23, bias=True, dtype=torch.bfloat16).requires_grad_(False)
+    layer.paths = ("native",) * 4 + ("blocks",) * 4          # blocks from 16 rows
+    x = torch.randn(2, 9, 64).to(torch.bfloat16)              # 18 rows: blocks
+    want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    rtol, atol = QUANT_MATMUL_TOL[torch.bfloat16]
+    y = layer(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 9, 23)
+    torch.testing.assert_close(y.float(), want, rtol=rtol, atol=atol * want.abs().max().item())
+    assert y.data_ptr() != cpu_paths._scratch.buf.data_ptr()
+    narrow = x[0, :4]
+    assert torch.equal(layer(narrow), F.linear(narrow, layer.weight, layer.bias))
+
+
+def test_widths_map_to_their_slot_and_heuristic_by_cpu(monkeypatch):
+    assert [cpu_paths.width_slot(r) for r in (1, 2, 3, 8, 9, 128, 500)] == [0, 1, 2, 3, 4, 7, 7]
+    assert cpu_paths.bucket("bf16", 10, 20, 3) == "format=bf16,n=10,k=20,rows=4"
+    with pytest.raises(ValueError, match="format"):
+        cpu_paths.bucket("int3", 10, 20, 3)
+    monkeypatch.setattr(cpu_paths, "native_bf16_cpu", lambda: False)
+    assert [cpu_paths.heuristic("bf16", r) for r in (8, 16)] == ["native", "blocks"]
+    assert cpu_paths.heuristic("int8", 128) == "native" and cpu_paths.heuristic("fp32", 128) == "native"
+    monkeypatch.setattr(cpu_paths, "native_bf16_cpu", lambda: True)
+    assert cpu_paths.heuristic("bf16", 128) == "native"
+    assert [cpu_paths.heuristic("int8", r) for r in (32, 64)] == ["native", "blocks"]
+    assert cpu_paths.candidates("int4") == ("native",) == cpu_paths.candidates("fp32")
+
+
+def test_the_plan_takes_this_cpus_tuned_entries_and_ignores_stale_ones(cache_file, monkeypatch):
+    monkeypatch.setattr(cpu_paths, "native_bf16_cpu", lambda: False)
+    tunable = tuner.get_tunable("cpu_linear")
+    times = {"native": 2.0, "blocks": 1.0}                 # a fake timer: blocks wins at 4 rows
+    tuner.tune(tunable, cpu_paths.bucket("bf16", 48, 32, 4), benchmark=lambda b, c: times[c["path"]])
+    assert cpu_paths.plan("bf16", 48, 32) == ("native", "native", "blocks", "native") + ("blocks",) * 4
+    env = cache.environment()
+    assert env.gpu.startswith("CPU ") and f"threads={torch.get_num_threads()}" in env.capability
+    # the same entry from another version of cpu_paths.py is stale: warned about, not used
+    doc = json.loads(cache_file.read_text())
+    doc["entries"][0]["key"]["source_hash"] = "0" * 64
+    cache_file.write_text(json.dumps(doc))
+    with pytest.warns(AutotuneWarning, match="stale"):
+        assert cpu_paths.plan("bf16", 48, 32)[2] == "native"
+
+
+def test_a_loaded_bf16_model_gets_plans_and_its_forward_matches_the_native_one(smollm2_gguf, monkeypatch, cache_file):
+    """Where bf16 is not native the layers take blocks from 16 rows; the whole forward's logits
+    equal the all-native forward's within bf16's rounding; an fp32 model gets no plan."""
+    import graft_tk
+    monkeypatch.setattr(cpu_paths, "native_bf16_cpu", lambda: False)
+    model = graft_tk.load_model("smollm2-135m", dtype="bf16", num_layers=2, progress=False)
+    net = model.net
+    layers = [m for m in net.modules() if isinstance(m, Linear)]
+    assert layers and all(m.paths == ("native",) * 4 + ("blocks",) * 4 for m in layers)
+    assert net.head_paths is not None                        # SmolLM2's LM head is the tied embedding
+    tokens = torch.randint(1000, (1, 20))
+    with torch.inference_mode():
+        net.setup_cache(32)
+        planned = net(tokens, torch.arange(20), 0)
+        for m in layers:
+            m.paths = None
+        net.head_paths = None
+        native = net(tokens, torch.arange(20), 0)
+    torch.testing.assert_close(planned, native, rtol=0.05, atol=0.05 * native.abs().max().item())
+    assert (planned.argmax(-1) == native.argmax(-1)).float().mean() > 0.9
+    fp32 = graft_tk.load_model("smollm2-135m", dtype="fp32", num_layers=1, progress=False).net
+    assert all(m.paths is None for m in fp32.modules() if isinstance(m, Linear)) and fp32.head_paths is None
+
+
+def test_graft_autotune_tunes_cpu_linears_and_says_what_a_cpu_needs(cache_file, capsys):
+    assert cli.main(["tune", "--kernels", "cpu_linear", "--shapes", "format=bf16,n=64,k=32,rows=16",
+                     "format=fp16,n=64,k=32,rows=1"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu_linear format=bf16,n=64,k=32,rows=16: tuned path=" in out
+    assert cli.main(["show"]) == 0
+    shown = capsys.readouterr().out
+    assert "2 entries" in shown and "CPU " in shown and "threads=" in shown and "usable" in shown
+    if not torch.cuda.is_available():
+        assert cli.main(["tune"]) == 2
+        assert "--model NAME" in capsys.readouterr().err
+    assert cli.main(["tune", "--kernels", "cpu_linear"]) == 2
+    assert "needs --model" in capsys.readouterr().err
+
+
+def test_the_tunable_times_a_model_s_shapes_at_every_width(smollm2_gguf):
+    import graft_tk
+    from graft_tk.autotune import cpu_linear
+    net = graft_tk.load_model("smollm2-135m", dtype="bf16", num_layers=1, progress=False).net
+    shapes = cpu_linear.shapes(net)
+    distinct = {(s["format"], s["n"], s["k"]) for s in shapes}
+    assert len(shapes) == len(distinct) * len(cpu_paths.WIDTHS)
+    assert ("bf16", 49152, 576) in distinct                   # the tied head
+    ms = cpu_linear.benchmark("format=bf16,n=64,k=32,rows=4", {"path": "blocks"})
+    assert 0 < ms < 1000
