@@ -10,8 +10,8 @@ width once per CPU, then share the cache with a team and CI.
     graft-autotune clear
 
 The cache is $GRAFT_TK_AUTOTUNE_CACHE (default $GRAFT_TK_HOME/autotune.json). An entry is used
-only on the GPU (or CPU model, ISA flags and threads), versions and kernel source it was tuned with; imported entries for other GPUs
-are kept for those GPUs and never applied here.
+only on the GPU (or the CPU model, ISA flags and threads), versions and kernel source it was tuned
+with; imported entries for other machines are kept for them and never applied here.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, help: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, parents=[common])
 
-    t = add("tune", "benchmark candidate configs on this GPU and cache the fastest")
-    t.add_argument("--kernels", nargs="+", default=None, help="kernels to tune (default: all)")
+    t = add("tune", "benchmark candidate configs on this GPU (or CPU) and cache the fastest")
+    t.add_argument("--kernels", nargs="+", default=None, help="kernels to tune (default: cpu_linear with --model, else every GPU kernel)")
     t.add_argument("--shapes", nargs="+", default=None, metavar="NAME=VALUE,...",
                    help="shapes to tune, e.g. rows=54,head_dim=128,kv_len=1000,dtype=bfloat16 "
                         "(rounded to their bucket; default: each kernel's common shapes)")

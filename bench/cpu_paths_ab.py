@@ -1,0 +1,48 @@
+"""One forward of q tokens with each linear layer on its CPU plan against all-native, in one process.
+
+    python bench/cpu_paths_ab.py --model qwen2.5-coder-1.5b --dtype bf16 --q 1,4,8,16,64 --prefix 200
+
+The plan is what ``load_model`` gave the layers (``graft_tk.models.cpu_paths``: the autotune
+cache's picks, else the heuristic); "native" clears it. Both are timed at each q in turn (median
+of --repeats forwards after a prefix of --prefix tokens in the KV cache), so drift in the machine
+hits both alike. Prints one markdown row per q.
+"""
+from __future__ import annotations
+
+import argparse
+
+import graft_tk
+from graft_tk.bench.roofline import time_forward
+from graft_tk.models.quant import QuantLinear
+from graft_tk.models.transformer import Linear
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--quant", default="none")
+    p.add_argument("--q", default="1,4,8,16,64", help="comma list of new tokens per forward")
+    p.add_argument("--prefix", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    model = graft_tk.load_model(args.model, dtype=args.dtype, device="cpu", quant=args.quant, progress=False)
+    net = model.net
+    layers = [m for m in net.modules() if isinstance(m, (Linear, QuantLinear))]
+    plans = [m.paths for m in layers], net.head_paths
+    native = [None] * len(layers), None
+    print(f"{sum(p is not None for p in plans[0])} of {len(layers)} layers have a plan; the tied head: "
+          f"{plans[1] is not None}")
+    print("| q | planned ms | native ms | native / planned |\n|---|---|---|---|")
+    for q in [int(x) for x in args.q.split(",")]:
+        ms = {}
+        for name, (paths, head) in (("planned", plans), ("native", native)):
+            for m, path in zip(layers, paths):
+                m.paths = path
+            net.head_paths = head
+            ms[name] = time_forward(model, q, args.prefix, args.repeats, False)
+        print(f"| {q} | {ms['planned']:.0f} | {ms['native']:.0f} | {ms['native'] / ms['planned']:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
