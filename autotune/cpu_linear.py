@@ -1,8 +1,12 @@
 """CPU linear layers as a tunable "kernel": per layer shape and call width, ``native`` or ``blocks``
-(``graft_tk.models.cpu_paths``), timed on a layer of that shape with random weights.
+(``graft_tk.models.cpu_paths``); a bucket reads ``format=bf16,n=17920,k=1536,rows=16``.
 
-``graft-autotune tune --model NAME`` tunes every shape of a model; a bucket reads
-``format=bf16,n=17920,k=1536,rows=16``. Imported only when tuning or listing.
+Two timers. ``tune_model`` (``graft-autotune tune --model NAME``) times the model's whole forward
+at each width with every layer native, then with every layer in blocks, and writes the faster for
+each of its layer shapes at that width: what a verify or a prefill will see, weights streamed from
+memory layer after layer. ``benchmark`` (``--shapes``) times one layer alone with random weights;
+near the crossover it overstates blocks (measured on an AVX2 EPYC: blocks won per layer at 8
+rows and lost by 15-20% in the whole forward). Imported only when tuning or listing.
 """
 from __future__ import annotations
 
@@ -10,12 +14,13 @@ import functools
 
 import torch
 
-from graft_tk.cost import median_ms
+from graft_tk.cost import forward_ms, median_ms
 from graft_tk.models import cpu_paths
 from graft_tk.models.quant import QuantLinear
 from graft_tk.models.transformer import Linear
 
-from .tuner import Tunable, parse_bucket
+from . import cache
+from .tuner import Tunable, key_for, parse_bucket
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REPEATS = 5
@@ -43,19 +48,62 @@ def benchmark(bucket: str, config: dict) -> float:
         return median_ms(lambda: layer(x), torch.device("cpu"), REPEATS)
 
 
-def shapes(net: torch.nn.Module) -> list[dict]:
+def shapes_of(net: torch.nn.Module) -> list[dict]:
     """Every (format, n, k) with more than one path among a CPU model's linear layers (the tied
     LM head included), at every width of ``cpu_paths.WIDTHS``."""
     found = []
     for m in net.modules():
-        if isinstance(m, Linear):
-            found.append((cpu_paths.float_format(m.weight.dtype), *m.weight.shape))
-        elif isinstance(m, QuantLinear) and m.cpu:
-            found.append((m.mode, m.out_features, m.in_features))
+        if isinstance(m, Linear) or (isinstance(m, QuantLinear) and m.cpu):
+            found.append((_format(m), m.out_features, m.in_features))
     if getattr(net, "output", 0) is None:
         found.append((cpu_paths.float_format(net.tok_embeddings.weight.dtype), *net.tok_embeddings.weight.shape))
     unique = [s for i, s in enumerate(found) if s not in found[:i] and len(cpu_paths.candidates(s[0])) > 1]
     return [dict(format=f, n=n, k=k, rows=r) for f, n, k in unique for r in cpu_paths.WIDTHS]
+
+
+def tune_model(model, path=None, *, prefix: int = 200, repeats: int = 3, progress=None) -> list[cache.Entry]:
+    """Per width of ``cpu_paths.WIDTHS``: ``model``'s forward of that many tokens after ``prefix``
+    cached ones, every multi-path layer native, then in blocks (median of ``repeats``); the faster
+    becomes the entry of each of those layers' shapes at that width. Returns the entries written.
+    ``progress(width, {path: ms})`` is called after each width. Clobbers the KV cache."""
+    net = model.net
+    layers = [m for m in net.modules() if isinstance(m, (Linear, QuantLinear))
+              and (isinstance(m, Linear) or m.cpu) and len(cpu_paths.candidates(_format(m))) > 1]
+    shapes = sorted({(s["format"], s["n"], s["k"]) for s in shapes_of(net)})
+    tied = getattr(net, "output", 0) is None
+    saved = [m.paths for m in layers], getattr(net, "head_paths", None)
+    with torch.inference_mode():
+        net.setup_cache(prefix + cpu_paths.WIDTHS[-1])
+        net.kv.normal_(0, 0.5)
+    entries = []
+    try:
+        for width in cpu_paths.WIDTHS:
+            ms = {}
+            for way in ("native", "blocks"):
+                plan = (way,) * len(cpu_paths.WIDTHS)
+                for m in layers:
+                    m.paths = plan
+                if tied:
+                    net.head_paths = plan
+                ms[way] = forward_ms(net, model.device, width, prefix, repeats)
+            best = min(ms, key=ms.get)
+            for fmt, n, k in shapes:
+                entries.append(cache.Entry(key=key_for(TUNABLE, cpu_paths.bucket(fmt, n, k, width)),
+                                           config={"path": best}, time_ms=ms[best],
+                                           heuristic_ms=ms[cpu_paths.heuristic(fmt, width)], tuned_at=cache.now()))
+            if progress is not None:
+                progress(width, ms)
+    finally:
+        for m, p in zip(layers, saved[0]):
+            m.paths = p
+        if tied:
+            net.head_paths = saved[1]
+    cache.update(entries, path)
+    return entries
+
+
+def _format(m) -> str:
+    return cpu_paths.float_format(m.weight.dtype) if isinstance(m, Linear) else m.mode
 
 
 TUNABLE = Tunable(

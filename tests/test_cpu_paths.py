@@ -113,9 +113,29 @@ def test_the_tunable_times_a_model_s_shapes_at_every_width(smollm2_gguf):
     import graft_tk
     from graft_tk.autotune import cpu_linear
     net = graft_tk.load_model("smollm2-135m", dtype="bf16", num_layers=1, progress=False).net
-    shapes = cpu_linear.shapes(net)
+    shapes = cpu_linear.shapes_of(net)
     distinct = {(s["format"], s["n"], s["k"]) for s in shapes}
     assert len(shapes) == len(distinct) * len(cpu_paths.WIDTHS)
     assert ("bf16", 49152, 576) in distinct                   # the tied head
     ms = cpu_linear.benchmark("format=bf16,n=64,k=32,rows=4", {"path": "blocks"})
     assert 0 < ms < 1000
+
+
+def test_a_model_is_tuned_in_whole_forwards_and_loads_with_the_picks(smollm2_gguf, cache_file, capsys):
+    """tune_model times the whole forward at every width, native then blocks, writes the faster
+    for every layer shape at that width; a model loaded afterwards takes those picks; the CLI's
+    --model runs it and a second run finds every entry cached."""
+    import graft_tk
+    from graft_tk.autotune import cpu_linear
+    model = graft_tk.load_model("smollm2-135m", dtype="bf16", num_layers=1, progress=False)
+    seen = []
+    entries = cpu_linear.tune_model(model, repeats=1, prefix=8, progress=lambda w, ms: seen.append((w, ms)))
+    n_shapes = len(cpu_linear.shapes_of(model.net)) // len(cpu_paths.WIDTHS)
+    assert [w for w, _ in seen] == list(cpu_paths.WIDTHS) and len(entries) == n_shapes * len(cpu_paths.WIDTHS)
+    best = {w: min(ms, key=ms.get) for w, ms in seen}
+    assert all(e.config["path"] == best[cpu_linear.parse_bucket(e.key.bucket)["rows"]] for e in entries)
+    again = graft_tk.load_model("smollm2-135m", dtype="bf16", num_layers=1, progress=False).net
+    want = tuple(best[w] for w in cpu_paths.WIDTHS)
+    assert again.head_paths == (want if "blocks" in want else None)
+    assert cli.main(["tune", "--model", "smollm2-135m", "--dtype", "bf16"]) == 0
+    assert "every layer shape has a usable entry" in capsys.readouterr().out

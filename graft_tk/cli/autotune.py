@@ -80,6 +80,7 @@ def tune(args, path: Path) -> int:
     # by default: --model's CPU linears, else every GPU kernel
     names = args.kernels or ([CPU_LINEAR] if args.model else [k for k in tuner.KERNELS if k != CPU_LINEAR])
     jobs = []   # (tunable, bucket)
+    whole_model = False   # cpu_linear without --shapes: timed in --model's whole forwards, after the buckets
     for name in names:
         tunable = tuner.get_tunable(name)
         if tunable.device == "cuda" and not torch.cuda.is_available():
@@ -91,7 +92,8 @@ def tune(args, path: Path) -> int:
         if args.shapes:
             shapes = [tuner.parse_bucket(s) for s in args.shapes]
         elif name == CPU_LINEAR:
-            shapes = _model_shapes(args)
+            whole_model = True
+            continue
         else:
             shapes = list(tunable.shapes)
         for shape in shapes:
@@ -101,7 +103,8 @@ def tune(args, path: Path) -> int:
                 raise InputError(f"--shapes {shape}: {e}") from e
             if bucket not in [b for t, b in jobs if t is tunable]:
                 jobs.append((tunable, bucket))
-    print(f"tuning {len(jobs)} bucket(s) on {cache.environment().gpu} into {path}", file=sys.stderr)
+    if jobs:
+        print(f"tuning {len(jobs)} bucket(s) on {cache.environment().gpu} into {path}", file=sys.stderr)
     for tunable, bucket in jobs:
         cached = cache.lookup(tuner.key_for(tunable, bucket), path)
         if cached is not None and not args.force:
@@ -116,21 +119,41 @@ def tune(args, path: Path) -> int:
         else:
             versus = f"heuristic {entry.heuristic_ms:.4f} ms ({entry.heuristic_ms / entry.time_ms:.2f}x)"
         print(f"{tunable.name} {bucket}: tuned {_config(entry.config)} {entry.time_ms:.4f} ms vs {versus}")
-    return 0
+    return _tune_model(args, path) if whole_model else 0
 
 
 CPU_LINEAR = "cpu_linear"
 
 
-def _model_shapes(args) -> list[dict]:
-    """Every CPU linear shape of ``--model`` at every width (``graft_tk.autotune.cpu_linear.shapes``)."""
+def _tune_model(args, path: Path) -> int:
+    """cpu_linear for every layer of ``--model``, timed in whole forwards at each width
+    (``graft_tk.autotune.cpu_linear.tune_model``)."""
     if not args.model:
-        raise InputError("tuning cpu_linear needs --model NAME (its layers' shapes) or --shapes "
-                         "format=bf16,n=17920,k=1536,rows=16")
+        raise InputError("tuning cpu_linear needs --model NAME (timed in its whole forwards) or --shapes "
+                         "format=bf16,n=17920,k=1536,rows=16 (one layer alone)")
     import graft_tk
-    from ..autotune import cpu_linear
+    from tqdm.auto import tqdm
+
+    from ..autotune import cache, cpu_linear, tuner
+    from ..models import cpu_paths
     model = graft_tk.load_model(args.model, dtype=args.dtype, device="cpu", quant=args.quant)
-    return cpu_linear.shapes(model.net)
+    shapes = cpu_linear.shapes_of(model.net)
+    if not shapes:
+        print(f"{model.name}: no layer has more than one CPU path in {args.dtype} / {args.quant}; nothing to tune")
+        return 0
+    keys = [tuner.key_for(cpu_linear.TUNABLE, cpu_paths.bucket(**s)) for s in shapes]
+    if not args.force and all(cache.lookup(k, path) is not None for k in keys):
+        print(f"{model.name}: every layer shape has a usable entry at every width (--force to retune)")
+        return 0
+    print(f"tuning the CPU paths of {model.name} ({len(shapes) // len(cpu_paths.WIDTHS)} layer shapes) in whole "
+          f"forwards on {cache.environment().gpu} into {path}", file=sys.stderr)
+    with tqdm(total=len(cpu_paths.WIDTHS), desc="widths", unit="width") as bar:
+        def report(width: int, ms: dict) -> None:
+            bar.update(1)
+            tqdm.write(f"{width:>4} rows: native {ms['native']:.1f} ms, blocks {ms['blocks']:.1f} ms -> "
+                       f"{min(ms, key=ms.get)}")
+        cpu_linear.tune_model(model, path, progress=report)
+    return 0
 
 
 def show(args, path: Path) -> int:

@@ -86,6 +86,8 @@ def key(b: str) -> cache.Key:
 
 def plan(fmt: str, n: int, k: int) -> tuple[str, ...]:
     """The path at each of WIDTHS for a layer of this format and shape: tuned entries, else the heuristic."""
+    if len(candidates(fmt)) == 1:
+        return ("native",) * len(WIDTHS)
     picks = []
     for rows in WIDTHS:
         entry = cache.lookup(key(bucket(fmt, n, k, rows)))
