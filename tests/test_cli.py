@@ -46,7 +46,8 @@ def test_generate_unknown_model_exits_2_with_the_list():
 def test_autotune_tune_without_gpu_exits_2(tmp_path):
     r = run("graft_tk.cli.autotune", "--cache", str(tmp_path / "c.json"), "tune")
     assert r.returncode == 2
-    assert "graft-autotune tune needs a CUDA GPU" in r.stderr and not (tmp_path / "c.json").exists()
+    assert "tuning tree_attention needs a CUDA GPU" in r.stderr and "--model NAME" in r.stderr
+    assert not (tmp_path / "c.json").exists()
 
 
 def test_autotune_show_and_export_of_an_empty_cache(tmp_path):
