@@ -62,7 +62,7 @@ def shapes_of(net: torch.nn.Module) -> list[dict]:
 
 
 def tune_model(model, path=None, *, prefix: int = 200, repeats: int = 3, progress=None) -> list[cache.Entry]:
-    """Per width of ``cpu_paths.WIDTHS``: ``model``'s forward of that many tokens after ``prefix``
+    """Per width of ``cpu_paths.WIDTHS``, widest first: ``model``'s forward of that many tokens after ``prefix``
     cached ones, every multi-path layer native, then in blocks (median of ``repeats``); the faster
     becomes the entry of each of those layers' shapes at that width. Returns the entries written.
     ``progress(width, {path: ms})`` is called after each width. Clobbers the KV cache."""
@@ -77,7 +77,9 @@ def tune_model(model, path=None, *, prefix: int = 200, repeats: int = 3, progres
         net.kv.normal_(0, 0.5)
     entries = []
     try:
-        for width in cpu_paths.WIDTHS:
+        # widest first: a verify runs after a prefill's wide calls, and a narrow call's fp32 GEMM
+        # was measured slower after wider ones (8 rows in blocks: 860 ms, 1527 ms after 16 rows)
+        for width in reversed(cpu_paths.WIDTHS):
             ms = {}
             for way in ("native", "blocks"):
                 plan = (way,) * len(cpu_paths.WIDTHS)

@@ -131,7 +131,7 @@ def test_a_model_is_tuned_in_whole_forwards_and_loads_with_the_picks(smollm2_ggu
     seen = []
     entries = cpu_linear.tune_model(model, repeats=1, prefix=8, progress=lambda w, ms: seen.append((w, ms)))
     n_shapes = len(cpu_linear.shapes_of(model.net)) // len(cpu_paths.WIDTHS)
-    assert [w for w, _ in seen] == list(cpu_paths.WIDTHS) and len(entries) == n_shapes * len(cpu_paths.WIDTHS)
+    assert [w for w, _ in seen] == list(cpu_paths.WIDTHS)[::-1] and len(entries) == n_shapes * len(cpu_paths.WIDTHS)
     best = {w: min(ms, key=ms.get) for w, ms in seen}
     assert all(e.config["path"] == best[cpu_linear.parse_bucket(e.key.bucket)["rows"]] for e in entries)
     again = graft_tk.load_model("smollm2-135m", dtype="bf16", num_layers=1, progress=False).net
