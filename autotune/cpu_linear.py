@@ -62,9 +62,10 @@ def shapes_of(net: torch.nn.Module) -> list[dict]:
 
 
 def tune_model(model, path=None, *, prefix: int = 200, repeats: int = 3, progress=None) -> list[cache.Entry]:
-    """Per width of ``cpu_paths.WIDTHS``, widest first: ``model``'s forward of that many tokens after ``prefix``
-    cached ones, every multi-path layer native, then in blocks (median of ``repeats``); the faster
-    becomes the entry of each of those layers' shapes at that width. Returns the entries written.
+    """Per width of ``cpu_paths.WIDTHS``, widest first: ``model``'s forward of that many tokens
+    after ``prefix`` cached ones, every multi-path layer native, then in blocks (median of
+    ``repeats``); the faster becomes the entry of each of those layers' shapes at that width.
+    Returns the entries written.
     ``progress(width, {path: ms})`` is called after each width. Clobbers the KV cache."""
     net = model.net
     layers = [m for m in net.modules() if isinstance(m, (Linear, QuantLinear))
