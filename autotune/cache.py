@@ -27,6 +27,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from graft_tk._cpu import cpu_info
 from graft_tk._fs import atomic_write_text, graft_home
 from graft_tk._version import __version__
 from graft_tk.errors import CorruptFileError
@@ -77,18 +78,13 @@ ISA_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16",
 
 
 def cpu_identity() -> tuple[str, str]:
-    """("CPU <model name>", "<ISA flags> threads=<n>"): what a CPU timing is keyed by (Linux's
-    /proc/cpuinfo; elsewhere the platform's processor string and no flags)."""
+    """("CPU <model name>", "<ISA flags> threads=<n>"): what a CPU timing is keyed by (off Linux:
+    the platform's processor string and no flags)."""
     import platform
 
     import torch
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        info = ""
-    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in info.splitlines() if ":" in line)}
-    model = " ".join(fields.get("model name", "").split()) or platform.processor() or "unknown"
-    flags = set(fields.get("flags", "").split())
+    model, flags = cpu_info()
+    model = " ".join(model.split()) or platform.processor() or "unknown"
     isa = " ".join(f for f in ISA_FLAGS if f in flags)
     return f"CPU {model}", f"{isa} threads={torch.get_num_threads()}".strip()
 

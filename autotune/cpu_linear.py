@@ -51,13 +51,8 @@ def benchmark(bucket: str, config: dict) -> float:
 def shapes_of(net: torch.nn.Module) -> list[dict]:
     """Every (format, n, k) with more than one path among a CPU model's linear layers (the tied
     LM head included), at every width of ``cpu_paths.WIDTHS``."""
-    found = []
-    for m in net.modules():
-        if isinstance(m, Linear) or (isinstance(m, QuantLinear) and m.cpu):
-            found.append((_format(m), m.out_features, m.in_features))
-    if getattr(net, "output", 0) is None:
-        found.append((cpu_paths.float_format(net.tok_embeddings.weight.dtype), *net.tok_embeddings.weight.shape))
-    unique = [s for i, s in enumerate(found) if s not in found[:i] and len(cpu_paths.candidates(s[0])) > 1]
+    unique = dict.fromkeys((fmt, n, k) for _, _, fmt, n, k in cpu_paths.layers(net)
+                           if len(cpu_paths.candidates(fmt)) > 1)
     return [dict(format=f, n=n, k=k, rows=r) for f, n, k in unique for r in cpu_paths.WIDTHS]
 
 
@@ -68,11 +63,9 @@ def tune_model(model, path=None, *, prefix: int = 200, repeats: int = 3, progres
     Returns the entries written.
     ``progress(width, {path: ms})`` is called after each width. Clobbers the KV cache."""
     net = model.net
-    layers = [m for m in net.modules() if isinstance(m, (Linear, QuantLinear))
-              and (isinstance(m, Linear) or m.cpu) and len(cpu_paths.candidates(_format(m))) > 1]
+    tuned = [(holder, attr) for holder, attr, fmt, _, _ in cpu_paths.layers(net) if len(cpu_paths.candidates(fmt)) > 1]
     shapes = sorted({(s["format"], s["n"], s["k"]) for s in shapes_of(net)})
-    tied = getattr(net, "output", 0) is None
-    saved = [m.paths for m in layers], getattr(net, "head_paths", None)
+    saved = [getattr(holder, attr) for holder, attr in tuned]
     with torch.inference_mode():
         net.setup_cache(prefix + cpu_paths.WIDTHS[-1])
         net.kv.normal_(0, 0.5)
@@ -83,11 +76,8 @@ def tune_model(model, path=None, *, prefix: int = 200, repeats: int = 3, progres
         for width in reversed(cpu_paths.WIDTHS):
             ms = {}
             for way in ("native", "blocks"):
-                plan = (way,) * len(cpu_paths.WIDTHS)
-                for m in layers:
-                    m.paths = plan
-                if tied:
-                    net.head_paths = plan
+                for holder, attr in tuned:
+                    setattr(holder, attr, (way,) * len(cpu_paths.WIDTHS))
                 ms[way] = forward_ms(net, model.device, width, prefix, repeats)
             best = min(ms, key=ms.get)
             for fmt, n, k in shapes:
@@ -97,16 +87,10 @@ def tune_model(model, path=None, *, prefix: int = 200, repeats: int = 3, progres
             if progress is not None:
                 progress(width, ms)
     finally:
-        for m, p in zip(layers, saved[0]):
-            m.paths = p
-        if tied:
-            net.head_paths = saved[1]
+        for (holder, attr), paths in zip(tuned, saved):
+            setattr(holder, attr, paths)
     cache.update(entries, path)
     return entries
-
-
-def _format(m) -> str:
-    return cpu_paths.float_format(m.weight.dtype) if isinstance(m, Linear) else m.mode
 
 
 TUNABLE = Tunable(

@@ -13,8 +13,7 @@ import argparse
 
 import graft_tk
 from graft_tk.bench.roofline import time_forward
-from graft_tk.models.quant import QuantLinear
-from graft_tk.models.transformer import Linear
+from graft_tk.models import cpu_paths
 
 
 def main() -> None:
@@ -27,19 +26,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     model = graft_tk.load_model(args.model, dtype=args.dtype, device="cpu", quant=args.quant, progress=False)
-    net = model.net
-    layers = [m for m in net.modules() if isinstance(m, (Linear, QuantLinear))]
-    plans = [m.paths for m in layers], net.head_paths
-    native = [None] * len(layers), None
-    print(f"{sum(p is not None for p in plans[0])} of {len(layers)} layers have a plan; the tied head: "
-          f"{plans[1] is not None}")
+    layers = cpu_paths.layers(model.net)
+    plans = [getattr(holder, attr) for holder, attr, *_ in layers]
+    print(f"{sum(p is not None for p in plans)} of {len(layers)} CPU linear layers have a plan")
     print("| q | planned ms | native ms | native / planned |\n|---|---|---|---|")
     for q in [int(x) for x in args.q.split(",")]:
         ms = {}
-        for name, (paths, head) in (("planned", plans), ("native", native)):
-            for m, path in zip(layers, paths):
-                m.paths = path
-            net.head_paths = head
+        for name, paths in (("planned", plans), ("native", [None] * len(layers))):
+            for (holder, attr, *_), p in zip(layers, paths):
+                setattr(holder, attr, p)
             ms[name] = time_forward(model, q, args.prefix, args.repeats, False)
         print(f"| {q} | {ms['planned']:.0f} | {ms['native']:.0f} | {ms['native'] / ms['planned']:.2f}x |", flush=True)
 

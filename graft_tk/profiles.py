@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ._cpu import cpu_info
 from ._fs import atomic_write_text, graft_home
 from ._version import __version__
 from .config import GraftConfig
@@ -90,14 +91,7 @@ def device_name(device: torch.device) -> str:
     """A human-readable device identity: the GPU's name, or the CPU model and core count."""
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_info()[0] or platform.processor() or platform.machine()
     return f"cpu: {cpu}, {os.cpu_count()} cores"
 
 

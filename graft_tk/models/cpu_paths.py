@@ -20,15 +20,14 @@ have one path. Compiled forwards always run ``native`` (inductor picks its own k
 from __future__ import annotations
 
 import bisect
-import functools
 import sys
 import threading
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._cpu import cpu_info
 from ..autotune import cache
 from ..autotune.tuner import source_hash
 
@@ -39,14 +38,9 @@ _FLOAT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _scratch = threading.local()
 
 
-@functools.cache
 def native_bf16_cpu() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX; Linux's /proc/cpuinfo)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX)."""
+    return not cpu_info()[1].isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
 def candidates(fmt: str) -> tuple[str, ...]:
@@ -100,28 +94,33 @@ def float_format(dtype: torch.dtype) -> str:
     return _FLOAT[dtype]
 
 
-def apply(net: torch.nn.Module) -> None:
-    """Give every linear layer of ``net`` on a CPU its plan (``paths``; a tied LM head:
-    ``net.head_paths``), None where every width is ``native``."""
+def layers(net: torch.nn.Module) -> list[tuple[object, str, str, int, int]]:
+    """Every linear layer of ``net`` on a CPU as (holder, attribute its plan goes in, format, n, k):
+    a Linear or CPU QuantLinear and its ``paths``, a tied LM head as the net and ``head_paths``."""
     from .quant import QuantLinear
     from .transformer import Linear
 
-    plans: dict[tuple, tuple[str, ...] | None] = {}
+    found = []
+    for m in net.modules():
+        if isinstance(m, Linear) and m.weight.device.type == "cpu":
+            found.append((m, "paths", float_format(m.weight.dtype), m.out_features, m.in_features))
+        elif isinstance(m, QuantLinear) and m.cpu:
+            found.append((m, "paths", m.mode, m.out_features, m.in_features))
+    head = getattr(net, "tok_embeddings", None)
+    if getattr(net, "output", 0) is None and head is not None and head.weight.device.type == "cpu":
+        found.append((net, "head_paths", float_format(head.weight.dtype), *head.weight.shape))
+    return found
 
-    def planned(fmt: str, n: int, k: int) -> tuple[str, ...] | None:
+
+def apply(net: torch.nn.Module) -> None:
+    """Give every linear layer of ``net`` on a CPU its plan (``layers``), None where every width is
+    ``native``."""
+    plans: dict[tuple, tuple[str, ...] | None] = {}
+    for holder, attr, fmt, n, k in layers(net):
         if (fmt, n, k) not in plans:
             p = plan(fmt, n, k)
             plans[fmt, n, k] = p if "blocks" in p else None
-        return plans[fmt, n, k]
-
-    for m in net.modules():
-        if isinstance(m, Linear) and m.weight.device.type == "cpu":
-            m.paths = planned(float_format(m.weight.dtype), *m.weight.shape)
-        elif isinstance(m, QuantLinear) and m.cpu:
-            m.paths = planned(m.mode, m.out_features, m.in_features)
-    head = getattr(net, "tok_embeddings", None)
-    if getattr(net, "output", 0) is None and head is not None and head.weight.device.type == "cpu":
-        net.head_paths = planned(float_format(head.weight.dtype), *head.weight.shape)
+        setattr(holder, attr, plans[fmt, n, k])
 
 
 def pick(paths: tuple[str, ...] | None, rows: int) -> str:
