@@ -19,12 +19,14 @@ def plot_summary(summary: dict, path: str | Path, title: str = "") -> None:
     and are drawn as dashed horizontal lines at their tokens/s. Right: speedup over ``ar`` per
     category, bars grouped by category, one colour per method, a line at 1x.
     """
+    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     overall = summary["all"]
     methods = list(overall)
-    colours = {m: f"C{i % 10}" for i, m in enumerate(methods)}
+    palette = colormaps["tab10" if len(methods) <= 10 else "tab20"]   # one colour per method
+    colours = {m: palette(i % palette.N) for i, m in enumerate(methods)}
     fig = Figure(figsize=(13, 5), layout="constrained")
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2, width_ratios=(1, 1.4))
