@@ -74,8 +74,8 @@ class Plan:
     repeats: int = 1
     anchors: Anchors | None = None
     top_p: float = 1.0
-    # "off" / "on": every method's step forwards eager / compiled (graft_tk.compiled); "both": each
-    # method twice, eager and as "<method>:compiled", interleaved in one run
+    # "off" / "on": every method's step forwards eager / compiled (graft_tk.compiled); "drafter":
+    # only a drafter model's; "both": each method twice, eager and as "<method>:compiled", in one run
     compile: str = "off"
     # "off" / "on": the methods that prune draft at the config's fixed tau and D / choose whether
     # to draft and how deep per step from ``config.cost`` (graft_tk.policy); "both": each such
@@ -87,8 +87,8 @@ class Plan:
     warmup_seconds: dict = field(default_factory=dict)   # per run name: the untimed first call (compiles)
 
     def __post_init__(self):
-        if self.compile not in COMPILE_MODES:
-            raise InputError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        if self.compile not in BENCH_COMPILE_MODES:
+            raise InputError(f"--compile must be one of {', '.join(BENCH_COMPILE_MODES)}, got {self.compile!r}")
         if self.adaptive not in COMPILE_MODES:
             raise InputError(f"--adaptive must be one of {', '.join(COMPILE_MODES)}, got {self.adaptive!r}")
         if self.adaptive != "off" and self.config.cost is None:
@@ -122,10 +122,16 @@ class Plan:
         """Our runs, then the anchors still runnable."""
         return self.our_names + (self.anchors.names if self.anchors else ())
 
+    def compile_scope(self, name: str) -> str:
+        """What run ``name`` compiles (``graft_tk.compiled.COMPILE_SCOPES``)."""
+        if self.compile == "on" or name.endswith(COMPILED_SUFFIX):
+            return "on"
+        return "drafter" if self.compile == "drafter" else "off"
+
     def run_once(self, name: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
         if name not in self.our_names:
             return self.anchors.run(name, ids, max_new_tokens, self.temperature, self.seed, self.top_p)
-        compiled = self.compile == "on" or name.endswith(COMPILED_SUFFIX)
+        compiled = self.compile_scope(name)
         name = name.removesuffix(COMPILED_SUFFIX)
         if CONFIG_MARK in name:
             method, config_name = name.split(CONFIG_MARK)
@@ -137,7 +143,8 @@ class Plan:
                            max_new_tokens, self.temperature, self.seed, self.top_p, compiled)
 
 
-COMPILE_MODES = ("off", "on", "both")   # also the modes of Plan.adaptive
+COMPILE_MODES = ("off", "on", "both")   # Plan.adaptive's modes
+BENCH_COMPILE_MODES = ("off", "drafter", "on", "both")   # Plan.compile's
 COMPILED_SUFFIX = ":compiled"
 ADAPTIVE_SUFFIX = ":adaptive"
 CONFIG_MARK = "@"   # "<method>@<name>": a method run with one of Plan.configs
@@ -145,7 +152,7 @@ CONFIG_MARK = "@"   # "<method>@<name>": a method run with one of Plan.configs
 
 def cold_decode(target: Model, drafter: Model | Eagle3Head | None, method: str, config: GraftConfig | None,
                 ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-                seed: int = 0, top_p: float = 1.0, compile: bool = False) -> tuple[list[int], dict]:
+                seed: int = 0, top_p: float = 1.0, compile: bool | str = False) -> tuple[list[int], dict]:
     """One decode from a fresh Engine (cold adjacency matrix, no state from earlier runs): (tokens, stats)."""
     engine = Engine(target, drafter if METHODS[method].drafts else None, config, compile=compile)
     r = decode(target, ids, method=method, drafter=drafter, config=config, engine=engine,
@@ -167,7 +174,7 @@ def run(plan: Plan, on_run: Callable[[Prompt, str], None] | None = None) -> list
         # A compiled run decodes the whole first prompt: a drafter compiles a graph per kind of
         # forward (one pending token or several, one frontier row or several), and an 8-token
         # warm-up, one step, left some to compile inside a timed run (94 s on the Qwen pair).
-        compiled = plan.compile == "on" or name.endswith(COMPILED_SUFFIX)
+        compiled = plan.compile_scope(name) != "off"
         tokens = plan.max_new_tokens if compiled else min(WARMUP_TOKENS, plan.max_new_tokens)
         t = time.perf_counter()
         _guarded(plan, name, encoded[0][1], tokens)

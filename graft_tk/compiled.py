@@ -24,6 +24,9 @@ them before anything reads them).
 
 Compilation happens once per model and shape in a process (``compiled_forward`` keeps them), and
 takes minutes on a small CPU: it pays off over long generations and servers, not one short call.
+``compile="drafter"`` compiles only a drafter model's forwards (the target's stay eager): on a
+2-core CPU the int4 drafter compiles in ~2 minutes cold (its graphs then load from inductor's
+cache in 15-40 s) and runs 1.3-1.4x faster, where the target's graphs would take many minutes.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from .errors import InputError
 from .models.attention import AttentionPlan
 from .models.quant import QuantLinear
 from .models.transformer import Transformer
@@ -42,6 +46,17 @@ from .models.transformer import Transformer
 _COMPILED: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()
 _GRAPHS_PER_CODE = 64
 PREFILL_CHUNK = 64    # tokens per compiled prefill chunk (one graph for every prompt length)
+COMPILE_SCOPES = ("off", "drafter", "on")   # what runs compiled: nothing, a drafter model, every step forward
+
+
+def compile_scope(compile: bool | str) -> str:
+    """``compile`` as one of COMPILE_SCOPES: True is "on", False "off"."""
+    if isinstance(compile, bool):
+        return "on" if compile else "off"
+    if compile not in COMPILE_SCOPES:
+        raise InputError(f"compile must be True, False or one of {', '.join(map(repr, COMPILE_SCOPES))}, "
+                         f"got {compile!r}")
+    return compile
 
 
 def compiled_forward(net: Transformer, dynamic: bool = False):

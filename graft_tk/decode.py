@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 import torch
 
 from .backend import resolve_backend
+from .compiled import compile_scope
 from .config import GraftConfig
 from .engine import Engine
 from .errors import InputError
@@ -42,7 +43,7 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
            method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
            seed: int | None = None, chat: bool = True, config: GraftConfig | None = None,
            engine: Engine | None = None, on_tokens: Callable[[list[int]], bool | None] | None = None,
-           backend: str = "auto", compile: bool = False) -> DecodeResult:
+           backend: str = "auto", compile: bool | str = False) -> DecodeResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` with ``target``.
 
     method: "ar" (plain decoding), or a speculative method at budget ``config.budget``:
@@ -67,9 +68,10 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
         True, decoding stops after that batch (a stop string, a client that went away).
     backend: "auto" (Triton kernels on CUDA, torch elsewhere), "triton" or "torch"; without CUDA
         "triton" runs the kernels in Triton's interpreter (exact, slow: for tests).
-    compile: run the step forwards (not the prefill) of the target and a drafter model compiled
-        (``graft_tk.compiled``: torch.compile, fullgraph; CUDA graphs on a GPU). The first call per
-        model and shape compiles, which takes minutes on a small CPU.
+    compile: True / "on": run the step forwards of the target and a drafter model compiled
+        (``graft_tk.compiled``: torch.compile, fullgraph; CUDA graphs on a GPU); "drafter": only a
+        drafter model's. The first call per model and shape compiles, which takes minutes on a
+        small CPU.
     """
     m = as_method(method)
     if engine is not None:
@@ -78,8 +80,9 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
         if backend != "auto" and resolve_backend(backend, target.device) != engine.ops.backend:
             raise InputError(f"engine runs the {engine.ops.backend} backend, not {backend!r}; build "
                              f"Engine(..., backend={backend!r}) or leave backend='auto'")
-        if compile and not engine.compile:
-            raise InputError("the engine was built with compile=False; build Engine(..., compile=True)")
+        if compile_scope(compile) not in ("off", engine.compile):
+            raise InputError(f"the engine was built with compile={engine.compile!r}; build "
+                             f"Engine(..., compile={compile!r})")
         drafter, config = engine.drafter_model, engine.config
     check_drafter(target, drafter)
     config, config_source = resolve_config(target, drafter, m, config, engine)

@@ -12,7 +12,7 @@ import torch
 
 from .acceptance import AcceptancePriors, DraftRates
 from .backend import resolve_backend
-from .compiled import StepForward
+from .compiled import StepForward, compile_scope
 from .config import GraftConfig
 from .counters import host_read
 from .drafting import Drafter, ModelDrafter
@@ -30,19 +30,19 @@ from .tree import BuiltTree
 
 class Engine:
     def __init__(self, target: Model, drafter: Model | Eagle3Head | None = None, config: GraftConfig | None = None,
-                 backend: str = "auto", compile: bool = False, count_torch_ops: bool = False):
+                 backend: str = "auto", compile: bool | str = False, count_torch_ops: bool = False):
         """``drafter``: a small Model with the target's tokenizer or an EAGLE-3 head (None: methods
-        that draft are refused). ``compile``: the step forwards of the target and a drafter model
-        run compiled (``graft_tk.compiled``). ``count_torch_ops``: every step counts the torch ops
+        that draft are refused). ``compile``: True / "on": the step forwards of the target and a
+        drafter model run compiled (``graft_tk.compiled``); "drafter": only a drafter model's. ``count_torch_ops``: every step counts the torch ops
         it dispatches (slow; stats["torch_ops_per_step"])."""
         self.target, self.drafter_model = target, drafter
         self.config = config = config or GraftConfig()
         device = target.device
         self.ops = ops_for(resolve_backend(backend, device), device)
-        self.compile, self.count_torch_ops = compile, count_torch_ops
-        self.target_step = StepForward(target.net, compile)
+        self.compile, self.count_torch_ops = compile_scope(compile), count_torch_ops
+        self.target_step = StepForward(target.net, self.compile == "on")
         # The drafter (the ``draft`` source) behind the Drafter interface, and the grafted sources.
-        self.drafter: Drafter | None = as_drafter(drafter, compile)
+        self.drafter: Drafter | None = as_drafter(drafter, self.compile != "off")
         self.draft_rates = DraftRates(config.priors, device)   # P(a drafted node is accepted) by its score
         # The grafted sources, created as the first request that uses each arrives (``source``).
         self.sources: list = []

@@ -203,7 +203,7 @@ def _propose(engine, rows: list[Request], context: Tensor, config: GraftConfig, 
                               torch.tensor(log_tau, dtype=torch.float32, device=device), cand_tokens,
                               engine.cand_parents, cand_source, n, pool_values, cand_values)
     built = build(N)
-    if policy is not None and not engine.compile:
+    if policy is not None and engine.compile != "on":
         # the verify's width by expected gain per ms (one host read; a compiled forward keeps N:
         # every new width would compile a graph)
         n = policy.verify_width(host_read(built.values[0, 1:].sort(descending=True).values))

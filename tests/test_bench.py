@@ -154,7 +154,12 @@ def test_compile_both_runs_every_method_eager_and_compiled(smollm2, monkeypatch)
     monkeypatch.setattr(bench, "cold_decode", lambda t, d, method, *a: calls.append((method, a[-1])) or ([], {}))
     for name in plan.run_names:
         plan.run_once(name, [1, 2], 4)
-    assert calls == [("ar", False), ("retrieval", False), ("ar", True), ("retrieval", True)]
+    assert calls == [("ar", "off"), ("retrieval", "off"), ("ar", "on"), ("retrieval", "on")]
+    calls.clear()                # --compile drafter: every run compiles only the drafter model
+    plan_d = bench.Plan(smollm2, None, GraftConfig(), ("ar", "retrieval"), prompts, 4, compile="drafter")
+    for name in plan_d.run_names:
+        plan_d.run_once(name, [1, 2], 4)
+    assert plan_d.run_names == ("ar", "retrieval") and calls == [("ar", "drafter"), ("retrieval", "drafter")]
     # the untimed warm-up: a few tokens eager, the whole first prompt compiled (every graph built)
     warmups = []
 

@@ -56,7 +56,7 @@ def test_every_method_compiled_equals_ar(target, drafter):
         ids = encode_prompt(target, prompt.text, chat=True)
         eager = graft_tk.decode(target, ids, max_new_tokens=24)
         ref = graft_tk.decode(target, ids, max_new_tokens=24, compile=True)
-        assert ref.tokens == eager.tokens and ref.stats["compile"] is True   # compiled ar == eager ar here
+        assert ref.tokens == eager.tokens and ref.stats["compile"] == "on"   # compiled ar == eager ar here
         for method in ("tree", "graft+pld"):      # every source, drafter and grafted (the step is one for all)
             got = graft_tk.decode(target, ids, drafter=drafter if METHODS[method].drafts else None, method=method,
                                   config=GraftConfig(), max_new_tokens=24, compile=True)
@@ -73,10 +73,25 @@ def test_a_compiled_batch_equals_each_request_alone(target, drafter):
     assert [tokens for tokens, _ in got] == want
 
 
+def test_compile_drafter_compiles_only_the_drafter_and_equals_ar(target, drafter):
+    engine = Engine(target, drafter, GraftConfig(), compile="drafter")
+    assert engine.target_step.compiled is None and engine.drafter.step.compiled is not None
+    ids = encode_prompt(target, "def add(a, b):", chat=True)
+    want = graft_tk.decode(target, ids, max_new_tokens=16).tokens
+    got = graft_tk.decode(target, ids, drafter=drafter, method="graft", engine=engine, max_new_tokens=16,
+                          compile="drafter")
+    assert got.tokens == want
+    assert got.stats["compile"] == "drafter" and got.stats["drafter_forwards_per_step"] > 0
+
+
 def test_an_engine_built_eager_refuses_compile(target):
     engine = Engine(target, None, GraftConfig())
     with pytest.raises(InputError, match="compile=True"):
         graft_tk.decode(target, "Hi", method="retrieval", engine=engine, compile=True, max_new_tokens=2)
+    with pytest.raises(InputError, match="compile='drafter'"):
+        graft_tk.decode(target, "Hi", method="retrieval", engine=engine, compile="drafter", max_new_tokens=2)
+    with pytest.raises(InputError, match="compile must be True, False or one of 'off', 'drafter', 'on'"):
+        Engine(target, None, GraftConfig(), compile="target")
 
 
 def test_a_quantized_cpu_forward_compiles_frozen_with_its_gemms_autotuned(smollm2_gguf):

@@ -72,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-anchors", dest="anchors", action="store_const", const="none", help="skip the anchors")
     p.add_argument("--json", default=None, metavar="OUT", help="write the full report (JSON) here")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write tokens/s-vs-MAT and speedup plots here")
-    p.add_argument("--compile", nargs="?", const="on", default="off", choices=bench.COMPILE_MODES,
+    p.add_argument("--compile", nargs="?", const="on", default="off", choices=bench.BENCH_COMPILE_MODES,
                    help="run the step forwards compiled (torch.compile; minutes per model on a small CPU, in "
-                        "the untimed warm-up); 'both' runs every method eager and as '<method>:compiled' in one "
-                        "interleaved run")
+                        "the untimed warm-up); 'drafter': only the drafter model's; 'both' runs every method "
+                        "eager and as '<method>:compiled' in one interleaved run")
     p.add_argument("--adaptive", nargs="?", const="on", default="off", choices=bench.COMPILE_MODES,
                    help="the methods that prune choose drafting depth and budget per step from the device's cost "
                         "model (--profile's, else measured first, a minute or two); 'both' runs each such method "
@@ -174,7 +174,8 @@ def _run(args) -> dict:
     if args.roofline:
         from ..bench import roofline
         report["roofline"] = roofline.as_json(*roofline.measure(
-            target, drafter, budget=config.budget, top_k=config.top_k, compile=args.compile != "off",
+            target, drafter, budget=config.budget, top_k=config.top_k,
+            compile="on" if args.compile == "both" else args.compile,
             progress=lambda msg: print(msg, file=sys.stderr)))
         if args.plot:
             roofline.plot(report["roofline"], str(args.plot).removesuffix(".png") + "-roofline.png",
