@@ -33,8 +33,9 @@ class Engine:
                  backend: str = "auto", compile: bool | str = False, count_torch_ops: bool = False):
         """``drafter``: a small Model with the target's tokenizer or an EAGLE-3 head (None: methods
         that draft are refused). ``compile``: True / "on": the step forwards of the target and a
-        drafter model run compiled (``graft_tk.compiled``); "drafter": only a drafter model's. ``count_torch_ops``: every step counts the torch ops
-        it dispatches (slow; stats["torch_ops_per_step"])."""
+        drafter model run compiled (``graft_tk.compiled``); "drafter": only a drafter model's.
+        ``count_torch_ops``: every step counts the torch ops it dispatches (slow;
+        stats["torch_ops_per_step"])."""
         self.target, self.drafter_model = target, drafter
         self.config = config = config or GraftConfig()
         device = target.device
