@@ -131,16 +131,16 @@ class Plan:
     def run_once(self, name: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
         if name not in self.our_names:
             return self.anchors.run(name, ids, max_new_tokens, self.temperature, self.seed, self.top_p)
-        compiled = self.compile_scope(name)
+        scope = self.compile_scope(name)
         name = name.removesuffix(COMPILED_SUFFIX)
         if CONFIG_MARK in name:
             method, config_name = name.split(CONFIG_MARK)
             return cold_decode(self.target, self.drafter, method, self.configs[config_name], ids, max_new_tokens,
-                               self.temperature, self.seed, self.top_p, compiled)
+                               self.temperature, self.seed, self.top_p, scope)
         adaptive = self.adaptive == "on" or name.endswith(ADAPTIVE_SUFFIX)
         config = self.config if adaptive else replace(self.config, cost=None)
         return cold_decode(self.target, self.drafter, name.removesuffix(ADAPTIVE_SUFFIX), config, ids,
-                           max_new_tokens, self.temperature, self.seed, self.top_p, compiled)
+                           max_new_tokens, self.temperature, self.seed, self.top_p, scope)
 
 
 COMPILE_MODES = ("off", "on", "both")   # Plan.adaptive's modes
