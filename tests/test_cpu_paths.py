@@ -40,6 +40,19 @@ def test_blocks_multiply_the_same_weights_as_f_linear(monkeypatch):
     assert torch.equal(layer(narrow), F.linear(narrow, layer.weight, layer.bias))
 
 
+def test_the_scratch_serves_calls_in_and_out_of_inference_mode(monkeypatch):
+    """A scratch made under inference mode (decoding) was an inference tensor, and the next call
+    outside it (a plain forward) failed writing into it."""
+    monkeypatch.setattr(cpu_paths, "_scratch", type(cpu_paths._scratch)())     # a fresh one for this thread
+    weight, x = torch.randn(8, 32), torch.randn(3, 32)
+    with torch.inference_mode():
+        inside = cpu_paths.blocks(x, weight)
+    outside = cpu_paths.blocks(x, weight)
+    torch.testing.assert_close(inside, F.linear(x, weight))
+    torch.testing.assert_close(outside, inside)
+    assert not outside.is_inference()
+
+
 def test_widths_map_to_their_slot_and_heuristic_by_cpu(monkeypatch):
     assert [cpu_paths.width_slot(r) for r in (1, 2, 3, 8, 9, 128, 500)] == [0, 1, 2, 3, 4, 7, 7]
     assert cpu_paths.bucket("bf16", 10, 20, 3) == "format=bf16,n=10,k=20,rows=4"

@@ -148,7 +148,8 @@ def blocks(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:
     xs = x.to(dtype)
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.dtype != dtype or buf.numel() < min(n, step) * k:
-        buf = _scratch.buf = torch.empty(max(BLOCK_ELEMENTS, k), dtype=dtype)
+        with torch.inference_mode(False):    # a normal tensor: written in and out of inference mode
+            buf = _scratch.buf = torch.empty(max(BLOCK_ELEMENTS, k), dtype=dtype)
     parts = []
     for i in range(0, n, step):
         w = weight[i:i + step]
