@@ -266,7 +266,8 @@ def _entry(rows: list[dict], ar_tok_s: dict, ar_decode: dict) -> dict:
              "decode_speedup": statistics.median(decode_ratios) if decode_ratios else None,
              "exact": {"compared": len(exact), "mismatches": exact.count(False)} if exact else None,
              "mat": None, "drafter_forwards_per_step": None, "accepted_per_step": None,
-             "accepted_per_step_by_source_depth": None, "expected_accepted_per_step": None, "time_split": None}
+             "accepted_per_step_by_source_depth": None, "expected_per_step_by_source_depth": None,
+             "expected_accepted_per_step": None, "time_split": None}
     if rows[0]["kind"] == "anchor":
         return entry     # HF generate reports none of the counts below
     steps = sum(s.get("steps", 0) for s in stats)
@@ -281,13 +282,10 @@ def _entry(rows: list[dict], ar_tok_s: dict, ar_decode: dict) -> dict:
                 for src, n in s.get("accepted_by_source", {}).items():
                     accepted[src] = accepted.get(src, 0) + n
             entry["accepted_per_step"] = {src: n / steps for src, n in accepted.items()}
-            by_depth: dict[str, dict[int, int]] = {}
-            for s in stats:
-                for src, depths in s.get("accepted_by_source_depth", {}).items():
-                    for d, n in depths.items():
-                        by_depth.setdefault(src, {})[int(d)] = by_depth.get(src, {}).get(int(d), 0) + n
-            entry["accepted_per_step_by_source_depth"] = {
-                src: {d: n / steps for d, n in sorted(depths.items())} for src, depths in by_depth.items()}
+            entry["accepted_per_step_by_source_depth"] = _per_step_by_source_depth(stats, "accepted_by_source_depth",
+                                                                                   steps)
+            entry["expected_per_step_by_source_depth"] = _per_step_by_source_depth(
+                stats, "expected_accepted_by_source_depth", steps)
             expected: dict[str, float] = {}
             for s in stats:
                 for src, x in s.get("expected_accepted_by_source", {}).items():
@@ -297,6 +295,16 @@ def _entry(rows: list[dict], ar_tok_s: dict, ar_decode: dict) -> dict:
         split = {ph: sum(s.get("time_split", {}).get(ph, 0.0) for s in stats) / seconds for ph in PHASES[1:]}
         entry["time_split"] = {"prefill": sum(s.get("prefill_seconds", 0.0) for s in stats) / seconds, **split}
     return entry
+
+
+def _per_step_by_source_depth(stats: list[dict], key: str, steps: int) -> dict[str, dict[int, float]]:
+    """``key``'s {source: {depth: count}} summed over runs, per step."""
+    total: dict[str, dict[int, float]] = {}
+    for s in stats:
+        for src, depths in s.get(key, {}).items():
+            for d, n in depths.items():
+                total.setdefault(src, {})[int(d)] = total.get(src, {}).get(int(d), 0) + n
+    return {src: {d: n / steps for d, n in sorted(depths.items())} for src, depths in total.items()}
 
 
 # --------------------------------------------------------------------------- table
@@ -319,16 +327,20 @@ def markdown_table(summary: dict, temperature: float = 0.0) -> str:
 def acceptance_table(summary: dict) -> str:
     """Estimate vs observed, per method and source (all prompts): the accepted nodes per step the
     acceptance estimates predicted for the trees verified (before each step's outcome), and the
-    accepted nodes per step counted."""
+    accepted nodes per step counted; then both per tree depth (depths where both are under 0.005
+    left out)."""
     lines = ["| method | source | expected accepted/step | observed accepted/step | observed / expected "
-             "| observed by tree depth |", "|---|---|---|---|---|---|"]
+             "| observed / expected by tree depth |", "|---|---|---|---|---|---|"]
     for m, e in summary["all"].items():
         expected, observed = e.get("expected_accepted_per_step") or {}, e.get("accepted_per_step") or {}
-        by_depth = e.get("accepted_per_step_by_source_depth") or {}
+        obs_depth = e.get("accepted_per_step_by_source_depth") or {}
+        exp_depth = e.get("expected_per_step_by_source_depth") or {}
         for src in sorted(expected):
             obs = observed.get(src, 0.0)
             ratio = f"{obs / expected[src]:.2f}" if expected[src] > 0 else "n.a."
-            depths = ", ".join(f"{d}: {n:.2f}" for d, n in by_depth.get(src, {}).items()) or "none"
+            o, x = obs_depth.get(src, {}), exp_depth.get(src, {})
+            depths = ", ".join(f"{d}: {o.get(d, 0.0):.2f}/{x.get(d, 0.0):.2f}" for d in sorted(set(o) | set(x))
+                               if max(o.get(d, 0.0), x.get(d, 0.0)) >= 0.005) or "none"
             lines.append(f"| {m} | {src} | {expected[src]:.3f} | {obs:.3f} | {ratio} | {depths} |")
     return "\n".join(lines)
 

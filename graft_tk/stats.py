@@ -10,6 +10,7 @@ from .tree import ROOT, SOURCE_NAMES
 PHASES = ("draft", "retrieve", "verify", "commit")
 # Launched inside model forwards (the attention, its split-KV combine, quantized matmuls): not step ops.
 FORWARD_KERNELS = ("_tree_attention_kernel", "_combine_splits_kernel", "_quant_matmul_kernel")
+DEPTH_BINS = 32   # expected acceptance is kept per tree depth 0 .. 31 (deeper nodes count in the last)
 
 
 class RequestStats:
@@ -26,8 +27,8 @@ class RequestStats:
         self.accepted_by_source_depth: Counter = Counter()    # (source name, depth) -> accepted nodes
         # Per step: nodes verified, drafter forwards, tokens committed.
         self.per_step: dict[str, list[int]] = {"nodes": [], "drafter_forwards": [], "committed": []}
-        # Expected accepted nodes per source code (the estimates' prediction, before each outcome).
-        self.expected = [0.0] * len(SOURCE_NAMES)
+        # (source name, depth) -> expected accepted nodes (the estimates' prediction, before each outcome)
+        self.expected_by_source_depth: Counter = Counter()
 
     def record_step(self, path_source: list[int], path_depth: list[int], nodes_by_source: list[int],
                     committed: int, drafter_forwards: int, verified: int) -> None:
@@ -47,6 +48,12 @@ class RequestStats:
             self.accepted_by_depth[depth] += 1
             self.accepted_by_source_depth[SOURCE_NAMES[src], depth] += 1
 
+    def record_expected(self, by_bin: list[float], bins: int) -> None:
+        """One step's expected accepted nodes, flat [source code, depth bin] with ``bins`` depth bins."""
+        for i, x in enumerate(by_bin):
+            if x:
+                self.expected_by_source_depth[SOURCE_NAMES[i // bins], i % bins] += x
+
     def record_counters(self, counters: StepCounters) -> None:
         launched = Counter(counters.launches)
         for name in FORWARD_KERNELS:
@@ -57,7 +64,9 @@ class RequestStats:
 
     def finish(self, prompt_tokens: int, tokens: int) -> dict:
         seconds = time.perf_counter() - self.t0
-        expected = self.expected
+        expected = Counter()
+        for (src, _), x in self.expected_by_source_depth.items():
+            expected[src] += x
         steps = max(self.steps, 1)
         return {
             "method": self.method, "prompt_tokens": prompt_tokens, "tokens": tokens, "steps": self.steps,
@@ -70,8 +79,10 @@ class RequestStats:
             "torch_ops_per_step": self.torch_ops / steps if self.torch_ops else None,
             "nodes_by_source": dict(self.nodes), "accepted_by_source": dict(self.accepted),
             # the acceptance estimates' prediction of accepted_by_source (how well they are calibrated)
-            "expected_accepted_by_source": {SOURCE_NAMES[code]: round(x, 3) for code, x in enumerate(expected)
-                                            if code != ROOT and self.nodes[SOURCE_NAMES[code]]},
+            "expected_accepted_by_source": {src: round(x, 3) for src, x in expected.items() if self.nodes[src]},
+            "expected_accepted_by_source_depth": {
+                src: {int(d): round(x, 3) for (s, d), x in sorted(self.expected_by_source_depth.items()) if s == src}
+                for src in sorted(expected) if self.nodes[src]},
             "per_step": self.per_step,
             "accepted_by_depth": {int(k): v for k, v in sorted(self.accepted_by_depth.items())},
             "accepted_by_source_depth": {src: {int(d): n for (s, d), n in sorted(self.accepted_by_source_depth.items())

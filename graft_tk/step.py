@@ -43,7 +43,7 @@ from .methods import Method
 from .models.attention import AttentionPlan
 from .sampling import Sampling, choose
 from .sources import StepView
-from .stats import RequestStats
+from .stats import DEPTH_BINS, RequestStats
 from .tree import DRAFT, ROOT, SOURCE_NAMES, BuiltTree
 
 
@@ -282,11 +282,12 @@ def _settle(engine, rows: list[Request], built: BuiltTree, pool: DraftPool, prop
         C = cand.tokens.shape[1]
         source.observe(built, on_path, built.cand_node[:, at:at + C], cand.note)
         at += C
-    S = len(SOURCE_NAMES)
+    S, D = len(SOURCE_NAMES), DEPTH_BINS
     by_source = torch.zeros(B, S + 1, dtype=torch.long, device=path.device).scatter_add_(
         1, built.source.long() + 1, torch.ones(B, N, dtype=torch.long, device=path.device))[:, 1:]
-    expected = torch.zeros(B, S + 1, device=path.device).scatter_add_(
-        1, built.source.long() + 1, node_probs(built))[:, 1:]
+    # what the estimates expect to be accepted, per (source, depth) bin: checked against the outcome
+    node_bin = (built.source.long() + 1) * D + built.depth.long().clamp(0, D - 1)
+    expected = torch.zeros(B, (S + 1) * D, device=path.device).scatter_add_(1, node_bin, node_probs(built))[:, D:]
     p = path.clamp(min=0)
     node_slots = pool.slots_of(built.pool_index)
     wants_rates = engine.policy is not None and B == 1
@@ -302,8 +303,7 @@ def _settle(engine, rows: list[Request], built: BuiltTree, pool: DraftPool, prop
         m, row = n_path[b], slice(b * N, b * N + n_path[b])
         new = r.take(tokens[row][1:] + [bonus[b]], eos)
         r.stats.record_step(source[row], depth[row], nodes[b * S:(b + 1) * S], len(new), pool.forwards[b], N)
-        for code in range(S):
-            r.stats.expected[code] += exp[b * S + code]
+        r.stats.record_expected(exp[b * S * D:(b + 1) * S * D], D)
         r.length += len(new)
         r.target_len += m
         path_slots.append(slots[row])

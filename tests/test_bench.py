@@ -118,6 +118,8 @@ def _row(prompt, category, method, tok_s, exact, **stats):
 def test_summary_pools_counts_and_marks_mismatches(tmp_path):
     spec = dict(steps=10, mat=2.0, drafter_forwards_per_step=3.0, accepted_by_source={"draft": 6, "retrieval": 4},
                 accepted_by_source_depth={"draft": {1: 4, 2: 2}, "retrieval": {3: 4}},
+                expected_accepted_by_source={"draft": 7.0, "retrieval": 8.0},
+                expected_accepted_by_source_depth={"draft": {1: 5.0, 2: 2.0}, "retrieval": {3: 8.0}},
                 time_split={"draft": 0.2, "retrieve": 0.1, "verify": 0.5, "commit": 0.1}, prefill_seconds=0.1)
     rows = [_row("p1", "a", "ar", 10.0, True, steps=8, mat=1.0, tokens=11, prefill_seconds=0.5),
             _row("p2", "b", "ar", 20.0, True, steps=8, mat=1.0, tokens=21, prefill_seconds=0.5),
@@ -129,6 +131,9 @@ def test_summary_pools_counts_and_marks_mismatches(tmp_path):
     assert g["speedup"] == pytest.approx(2.25)                  # median of 3.0x and 1.5x, paired per prompt
     assert g["accepted_per_step"] == {"draft": 12 / 40, "retrieval": 8 / 40}
     assert g["accepted_per_step_by_source_depth"] == {"draft": {1: 8 / 40, 2: 4 / 40}, "retrieval": {3: 8 / 40}}
+    assert g["expected_per_step_by_source_depth"] == {"draft": {1: 10 / 40, 2: 4 / 40}, "retrieval": {3: 16 / 40}}
+    # observed / expected per source, and per depth: retrieval got half its estimate at depth 3
+    assert "| graft | retrieval | 0.400 | 0.200 | 0.50 | 3: 0.20/0.40 |" in bench.acceptance_table(summary)
     assert g["exact"] == {"compared": 2, "mismatches": 1} and summary["b"]["graft"]["exact"]["mismatches"] == 1
     assert summary["all"]["hf_greedy"]["speedup"] == 0.5 and summary["all"]["hf_greedy"]["mat"] is None
     table = bench.markdown_table(summary)

@@ -103,6 +103,12 @@ def test_stats_report_sources_depths_and_time(smollm2, self_drafter):
     assert set(s["nodes_by_source"]) <= {"draft", "retrieval", "prompt_lookup"} and s["nodes_by_source"].get("draft", 0) > 0
     assert sum(s["accepted_by_source"].values()) == sum(s["accepted_by_depth"].values())
     assert {src: sum(d.values()) for src, d in s["accepted_by_source_depth"].items()} == s["accepted_by_source"]
+    # the estimates' expectation, per source and tree depth: it sums to the per-source figure
+    by_depth = s["expected_accepted_by_source_depth"]
+    assert set(by_depth) == set(s["expected_accepted_by_source"]) and by_depth["draft"]
+    for src, depths in by_depth.items():
+        assert sum(depths.values()) == pytest.approx(s["expected_accepted_by_source"][src], abs=0.01 * len(depths))
+        assert all(d >= 1 and x >= 0 for d, x in depths.items())
     assert set(s["time_split"]) == {"draft", "retrieve", "verify", "commit"}
     assert s["drafter_forwards_per_step"] >= 1
 
