@@ -21,6 +21,11 @@ Each source keeps its own rates (``Rates``) and turns them into values for its c
 A grafted candidate is counted only when it made its own node (``outcome``): one whose token an
 earlier source already proposed adds nothing to the tree, and counting its acceptance, which is
 the other source's, made retrieval look several times likelier than it is on the nodes it adds.
+Nor is it counted where a drafted sibling was accepted: children of one node are exclusive, so
+a grafted source's rates are conditional on every drafted sibling being rejected, and
+``build_tree`` multiplies in the share of the parent those siblings leave free (beside a drafted
+token the drafter is 0.96 sure of, 0.04). Valued alone, a token beside a sure drafted one was
+worth its rank's average, ~2x what such nodes were measured to earn (docs/retrieval.md §4).
 
 Counts decay by ``DECAY`` per step, so the estimates follow a change of workload within a few
 dozen steps; each prior weighs ``PRIOR_WEIGHT`` observations. ``AcceptancePriors`` learnt on the
@@ -153,12 +158,20 @@ def on_path_mask(path: Tensor) -> Tensor:
 def outcome(built: BuiltTree, on_path: Tensor, nodes: Tensor, code: int) -> tuple[Tensor, Tensor]:
     """(tried, accepted) float [B, C] of a grafted source's candidates, given the tree node each
     landed on (``nodes`` = its slice of ``built.cand_node``) and its source ``code``: tried when it
-    made its own node (not one an earlier source proposed) and that node's parent was accepted."""
+    made its own node (not one an earlier source proposed), that node's parent was accepted and
+    no drafted sibling was (the rate is P(accepted | parent accepted, no drafted sibling
+    accepted); ``build_tree`` multiplies in the share the drafted siblings leave free)."""
+    B, N = built.parents.shape
     node = nodes.long()
     idx = node.clamp(min=0)
     parent = built.parents.long()
     parent_on_path = on_path.gather(1, parent.clamp(min=0)) | (parent < 0)
-    tried = (node >= 0) & (built.source.gather(1, idx) == code) & parent_on_path.gather(1, idx)
+    # the nodes whose accepted child is a drafted node (column N takes everything else)
+    drafted_accepted = on_path & (built.pool_index >= 0) & (parent >= 0)
+    drafted_child = torch.zeros(B, N + 1, dtype=torch.bool, device=on_path.device)
+    drafted_child.scatter_(1, torch.where(drafted_accepted, parent, N), True)
+    open_parent = parent_on_path & ~drafted_child.gather(1, parent.clamp(min=0))
+    tried = (node >= 0) & (built.source.gather(1, idx) == code) & open_parent.gather(1, idx)
     return tried.float(), (tried & on_path.gather(1, idx)).float()
 
 

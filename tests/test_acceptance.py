@@ -88,15 +88,27 @@ def test_retrieval_rates_learn_which_positions_are_accepted():
 
 
 def test_a_candidate_another_source_proposed_is_not_counted():
-    # The drafter proposes token 5 (accepted); retrieval's rank 0 repeats it, its rank 1 (6) is its own
-    # node and is rejected. Only the own node counts for retrieval: position 0 learns nothing.
+    # The drafter proposes token 5 (rejected); retrieval's rank 0 repeats it, its rank 1 (6) is its own
+    # node and is rejected too. Only the own node counts for retrieval: position 0 learns nothing.
     source, draft = adjacency((2,)), DraftRates(None, "cpu")
     for _ in range(20):
         built = tree(([5], [-1], [-0.1], [1]), [5, 6], [-1, -1], [RETRIEVAL] * 2, 4,
                      draft.values(torch.tensor([-0.1])), source.rates.rate().log())
         assert built.source[0].tolist()[:3] == [ROOT, DRAFT, RETRIEVAL] and built.cand_node.tolist() == [[1, 2]]
-        source.observe(built, on_path_mask(torch.tensor([[0, 1, -1, -1]])), built.cand_node, None)
+        source.observe(built, on_path_mask(torch.tensor([[0, -1, -1, -1]])), built.cand_node, None)
     assert source.rates.n[0] == 0 and source.rates.n[1] > 5 and source.rates.acc.sum() == 0
+
+
+def test_a_candidate_whose_drafted_sibling_was_accepted_is_not_counted():
+    # Children of one node are exclusive: when the drafted 5 is accepted, retrieval's 6 beside it
+    # had no chance, and its rate is P(accepted | parent accepted, no drafted sibling accepted).
+    # Its chain beneath the drafted node (7 under 5) was tried, and is counted.
+    source, draft = adjacency((2, 1)), DraftRates(None, "cpu")
+    built = tree(([5], [-1], [-0.1], [1]), [5, 6, 7], [-1, -1, 0], [RETRIEVAL] * 3, 4,
+                 draft.values(torch.tensor([-0.1])), source.rates.rate().log())
+    assert built.tokens.tolist() == [[0, 5, 6, 7]] and built.source[0, 1] == DRAFT
+    source.observe(built, on_path_mask(torch.tensor([[0, 1, 3, -1]])), built.cand_node, None)
+    assert source.rates.n.tolist() == [0.0, 0.0, 1.0] and source.rates.acc.tolist() == [0.0, 0.0, 1.0]
 
 
 def test_counts_decay_so_a_change_of_workload_is_followed():

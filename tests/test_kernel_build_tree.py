@@ -15,7 +15,7 @@ import torch
 
 from graft_tk.adjacency import RetrievalTemplate, default_template, template_from_level_sizes
 from graft_tk.kernels.build_tree import build_tree as build_tree_kernel
-from graft_tk.reference.build_tree import build_tree, draft_as_tree, select_nodes
+from graft_tk.reference.build_tree import FREE_FLOOR, build_tree, draft_as_tree, select_nodes
 from graft_tk.reference.draft_expand import draft_expand
 from graft_tk.reference.retrieve import retrieve
 from graft_tk.tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT, BuiltTree, Tree, unpack_mask
@@ -363,8 +363,9 @@ def test_budget_goes_to_the_likeliest_candidates():
 
 def test_drafted_nodes_compete_and_a_child_is_never_likelier_than_its_parent():
     # Drafted: a (-0.1 score) with child b; their estimates are low (.05). Candidates: c at the root
-    # (.5), d under c with an estimate above 1 that is clamped so d is no likelier than c, e at the
-    # root (.3). N = 4: c (.5), d (.5, after c by index), e (.3) beat both drafted nodes.
+    # (.5 of the .95 that a leaves free: .475), d under c with an estimate above 1 that is clamped
+    # so d is no likelier than c, e at the root (.3 x .95). N = 4: c, d (after c by index) and e
+    # beat both drafted nodes.
     tokens, parents = torch.tensor([10, 11]), torch.tensor([-1, 0])
     scores, depths = torch.tensor([-0.1, -0.2]), torch.tensor([1, 2])
     pool_values = torch.tensor([0.05, 0.05]).log()
@@ -376,7 +377,7 @@ def test_drafted_nodes_compete_and_a_child_is_never_likelier_than_its_parent():
                               pool_values, cand_values))
     assert out.tokens.tolist() == [1, 12, 13, 14] and out.parents.tolist() == [-1, 0, 1, 0]
     assert (out.pool_index == -1).all() and (out.source[1:] == RETRIEVAL).all()
-    assert torch.allclose(out.values.exp().cpu(), torch.tensor([1.0, 0.5, 0.5, 0.3]))
+    assert torch.allclose(out.values.exp().cpu(), torch.tensor([1.0, 0.475, 0.475, 0.285]))
     # with N = 6 everything fits: drafted nodes first, in pool order, then the candidates
     out = run_both(*on_device(tokens, parents, scores, depths, 2, torch.tensor(1), -math.inf, cand, cpar, csrc, 6,
                               pool_values, cand_values))
@@ -384,8 +385,9 @@ def test_drafted_nodes_compete_and_a_child_is_never_likelier_than_its_parent():
 
 
 def test_a_candidate_on_a_drafted_node_raises_its_estimate():
-    # Drafted a (.05) and b (.04) at the root; a retrieval candidate repeats b with .6 and continues
-    # under it with x (.5 given b: .3). N = 3: b (.6) and x (.3) beat a.
+    # Drafted a (.05) and b (.04) at the root; a retrieval candidate repeats b with .6 (of the .95
+    # that a leaves free: .57) and continues under it with x (.5 given b: .285). N = 3: b and x
+    # beat a.
     tokens, parents = torch.tensor([10, 11]), torch.tensor([-1, -1])
     scores, depths = torch.tensor([-0.1, -0.2]), torch.tensor([1, 1])
     cand, cpar = torch.tensor([11, 20]), torch.tensor([-1, 0], dtype=torch.int32)
@@ -394,7 +396,7 @@ def test_a_candidate_on_a_drafted_node_raises_its_estimate():
                               torch.tensor([0.05, 0.04]).log(), torch.tensor([0.6, 0.5]).log()))
     assert out.tokens.tolist() == [1, 11, 20] and out.source.tolist() == [ROOT, DRAFT, RETRIEVAL]
     assert out.pool_index.tolist() == [-1, 1, -1] and out.cand_node.tolist() == [1, 2]
-    assert torch.allclose(out.values.exp().cpu(), torch.tensor([1.0, 0.6, 0.3]))
+    assert torch.allclose(out.values.exp().cpu(), torch.tensor([1.0, 0.57, 0.285]))
 
 
 def test_a_chain_under_a_drafted_node_is_valued_through_that_node():
@@ -409,6 +411,33 @@ def test_a_chain_under_a_drafted_node_is_valued_through_that_node():
     assert out.tokens.tolist() == [1, 10, 20, -1] and out.source.tolist() == [ROOT, DRAFT, RETRIEVAL, -1]
     assert torch.allclose(out.values[:3].exp().cpu(), torch.tensor([1.0, 0.9, 0.45]))
     assert out.values[3] == -math.inf
+
+
+def test_a_candidate_beside_a_sure_drafted_sibling_gets_only_the_share_it_leaves_free():
+    # Drafted a (.96) at the root and b under it (.9: .9375 given a). Retrieval repeats a and b
+    # (.01 each: they keep the drafter's values) and proposes r at the root, t under a beside b and
+    # s under b, each .5 given its parent. Children of one node are exclusive, so r can be accepted
+    # only when a is not (.04 x .5 = .02) and t only when b is not (.96 x .0625 x .5 = .03); s, under
+    # the drafter's tip, has no drafted sibling (.9 x .5 = .45). Valued alone, r (.5) would have
+    # taken a place before s.
+    tokens, parents = torch.tensor([10, 11]), torch.tensor([-1, 0])
+    scores, depths = torch.tensor([-0.05, -0.1]), torch.tensor([1, 2])
+    cand, cpar = torch.tensor([10, 11, 20, 21, 22]), torch.tensor([-1, 0, -1, 0, 1], dtype=torch.int32)
+    csrc = torch.full((5,), RETRIEVAL, dtype=torch.int8)
+    values = torch.tensor([0.96, 0.9]).log(), torch.tensor([0.01, 0.01, 0.5, 0.5, 0.5]).log()
+    out = run_both(*on_device(tokens, parents, scores, depths, 2, torch.tensor(1), -math.inf, cand, cpar, csrc, 6,
+                              *values))
+    assert out.tokens.tolist() == [1, 10, 11, 20, 21, 22] and out.parents.tolist() == [-1, 0, 1, 0, 1, 2]
+    assert torch.allclose(out.values.exp().cpu(), torch.tensor([1.0, 0.96, 0.9, 0.02, 0.03, 0.45]))
+    out = run_both(*on_device(tokens, parents, scores, depths, 2, torch.tensor(1), -math.inf, cand, cpar, csrc, 4,
+                              *values))
+    assert out.tokens.tolist() == [1, 10, 11, 22]
+    # drafted siblings whose estimates sum past 1 leave the floor, not a negative share
+    over = torch.tensor([0.7, 0.6]).log(), torch.tensor([0.5]).log()
+    out = run_both(*on_device(tokens, torch.tensor([-1, -1]), scores, torch.tensor([1, 1]), 2, torch.tensor(1),
+                              -math.inf, cand[2:3], cpar[2:3], csrc[:1], 4, *over))
+    assert out.tokens.tolist() == [1, 10, 11, 20]
+    assert out.values[3].exp().item() == pytest.approx(0.5 * FREE_FLOOR, rel=1e-4)
 
 
 def test_per_row_candidate_sources():

@@ -17,7 +17,8 @@ Phases:
   4. graft   one loop iteration per candidate, all state in registers ([U_PAD] union vectors,
              [C_PAD] candidate -> union node map): dedup by (parent, token) match (raising the
              node's value), else a new union node valued parent's value + its estimate (a
-             candidate's estimate is log P(accepted | its parent accepted)).
+             candidate's estimate is log P(accepted | its parent accepted, no drafted sibling
+             accepted)) + log of the share its drafted siblings leave free.
   5. choose  rank every union node by (value desc, index asc), blocked [U_PAD, BLOCK_UJ] compares;
              keep rank < N-1 (closed under parents: a child never outranks its parent); output
              index = cumsum of kept, parents and candidates remapped through scratch.
@@ -39,12 +40,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tree import BuiltTree
-from ..tree import DRAFT, ROOT
+from ..reference.build_tree import FREE_FLOOR
+from ..tree import DRAFT, ROOT, BuiltTree
 from ._common import launch, next_pow2
 from .draft_expand import _MIN_KEY, _desc_key
 
 _DRAFT = tl.constexpr(DRAFT)
+_FREE_FLOOR = tl.constexpr(FREE_FLOOR)
 _ROOT = tl.constexpr(ROOT)
 _RANK_TILE = 2048   # pool-rank compares per step: P_PAD * BLOCK_J
 
@@ -170,7 +172,13 @@ def _build_tree_kernel(
         live = (tok >= 0) & (parent >= 0)
         match = (ui >= 1) & (ui < n) & (par_vec == parent) & (tok_vec == tok)
         found = tl.max(tl.where(match, ui, -1), 0)
-        v = tl.max(tl.where(ui == parent, val_vec, float("-inf")), 0) + tl.minimum(cval, 0.0)
+        parent_val = tl.max(tl.where(ui == parent, val_vec, float("-inf")), 0)
+        v = parent_val + tl.minimum(cval, 0.0)
+        if HAS_VALUES:   # + log of the share its drafted siblings leave free (reference: free_share)
+            sibling = is_draft & (par_vec == parent) & (ui != found)
+            # (a missing candidate's parent value is -inf: clamp it so no -inf - -inf is formed)
+            taken = tl.sum(tl.exp(tl.where(sibling, val_vec, float("-inf")) - tl.maximum(parent_val, -3.0e38)), 0)
+            v += tl.log(tl.maximum(1.0 - taken, _FREE_FLOOR))
         add = live & (found < 0)
         target = tl.where(add, n, tl.where(live, found, -1))
         mapped = tl.where(ci == c, target, mapped)

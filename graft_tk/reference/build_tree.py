@@ -22,6 +22,8 @@ plus the bit-packed ancestor mask, so the device never waits for the host.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -40,9 +42,11 @@ def allocate(draft: Tree, cand_tokens: Tensor, cand_parents: Tensor, cand_source
        drafted node at no cost); otherwise it becomes a new union node.
     2. Values (log P(on the accepted path)): the root has log 1 = 0; a drafted node's value is
        min(its own estimate, its parent's value) (a path is never likelier than its prefix); a
-       candidate's is its tree parent's value + its own estimate (clamped to <= 0), so a chain
-       grafted beneath a drafted node is valued through that node; a candidate that maps onto an
-       existing node raises that node's value to its own if higher.
+       candidate's is its tree parent's value + its own estimate (clamped to <= 0) + log of the
+       probability its drafted siblings leave free (``free_share``), so a chain grafted beneath a
+       drafted node is valued through that node and a token beside a sure drafted one is not
+       valued as if it stood alone; a candidate that maps onto an existing node raises that
+       node's value to its own if higher.
     3. Selection: the N - 1 best non-root union nodes by (value desc, union index asc). A child's
        value never exceeds its parent's and its index is larger, so the chosen set is closed under
        parents; nodes keep their union order (parents before children).
@@ -66,6 +70,7 @@ def allocate(draft: Tree, cand_tokens: Tensor, cand_parents: Tensor, cand_source
     for i in range(1, draft.n):
         value[i] = min(value[i], value[parents[i]])
     cvalue = _f32_list(cand_values, C)
+    valued = draft_values is not None or cand_values is not None
     node_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}
     mapped: list[int] = []  # candidate -> union node, -1 = missing
     for c, (tok, tpar, src) in enumerate(zip(cand_tokens.tolist(), cand_parents.tolist(), cand_source.tolist())):
@@ -75,8 +80,11 @@ def allocate(draft: Tree, cand_tokens: Tensor, cand_parents: Tensor, cand_source
         if tok < 0 or parent < 0:
             mapped.append(-1)
             continue
-        v = value[parent] + min(cvalue[c], 0.0)
         node = node_of.get((parent, tok), -1)
+        v = value[parent] + min(cvalue[c], 0.0)
+        if valued:
+            drafted_siblings = [value[d] for d in range(1, draft.n) if parents[d] == parent and d != node]
+            v += free_share(value[parent], drafted_siblings)
         if node < 0:
             node = len(tokens)
             node_of[(parent, tok)] = node
@@ -104,6 +112,23 @@ def allocate(draft: Tree, cand_tokens: Tensor, cand_parents: Tensor, cand_source
                           torch.full((len(keep) - len(drafted),), float("-inf"), dtype=torch.float32, device=dev)]),
     )
     return tree, [new_index.get(m, -1) for m in mapped], drafted[1:], [value[i] for i in keep]
+
+
+FREE_FLOOR = 1e-3   # the least share of its parent a grafted candidate keeps beside its drafted siblings
+
+
+def free_share(parent_value: float, sibling_values: list[float]) -> float:
+    """log of the probability, given the parent accepted, that none of these drafted siblings is.
+
+    Children of one node are exclusive (the target emits one token there), so a grafted candidate
+    is accepted at most when every drafted sibling is rejected: P(c | parent) = P(no drafted
+    sibling | parent) x P(c | parent, no drafted sibling), the second factor being what the
+    source's rates learn (``acceptance.outcome`` counts a candidate only where no drafted sibling
+    was accepted). A sibling's conditional is exp(its value - the parent's); the share is floored
+    at ``FREE_FLOOR`` where over-confident estimates sum past 1.
+    """
+    taken = sum(math.exp(v - parent_value) for v in sibling_values if v > -math.inf)
+    return math.log(max(1.0 - taken, FREE_FLOOR))
 
 
 def _f32_list(values: Tensor | None, n: int) -> list[float]:
