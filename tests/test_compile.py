@@ -16,6 +16,8 @@ from graft_tk.engine import Engine
 from graft_tk.errors import InputError
 from graft_tk.methods import METHODS
 from graft_tk.models.attention import AttentionPlan
+from graft_tk.server.metrics import Metrics
+from graft_tk.server.scheduler import Scheduler
 
 from .conftest import real_prompts
 
@@ -82,6 +84,26 @@ def test_compile_drafter_compiles_only_the_drafter_and_equals_ar(target, drafter
                           compile="drafter")
     assert got.tokens == want
     assert got.stats["compile"] == "drafter" and got.stats["drafter_forwards_per_step"] > 0
+
+
+def test_a_server_compiles_at_start_up_and_its_requests_compile_nothing(target, drafter):
+    """graft-serve --compile drafter: the warm-up compiles the graphs of a batch of one and of two,
+    so requests alone and together then run without compiling, equal to plain greedy; the warm-up
+    ran on a throwaway engine (the serving one has learnt nothing yet)."""
+    scheduler = Scheduler(target, drafter, "graft", GraftConfig(), 8, Metrics(), max_batch=2, max_model_len=256,
+                          compile="drafter")
+    assert scheduler.warm_up() > 0
+    assert scheduler.engine.draft_rates.n.sum() == 0 and scheduler.engine.drafter.step.compiled is not None
+    prompts = [encode_prompt(target, text, chat=True) for text in ("Name three colours.", "def add(a, b):")]
+    want = [graft_tk.decode(target, ids, max_new_tokens=12).tokens for ids in prompts]
+    graphs = counters["stats"]["unique_graphs"]
+    for group in ([prompts[0]], prompts):       # alone, then two together
+        requests = [scheduler.batch.add(ids, "graft", 12) for ids in group]
+        while len(scheduler.batch):
+            scheduler.batch.step()
+        assert [r.out for r in requests] == want[:len(group)]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert Scheduler(target, None, "retrieval", GraftConfig(), 8, Metrics()).warm_up() == 0.0   # no compile: nothing
 
 
 def test_an_engine_built_eager_refuses_compile(target):

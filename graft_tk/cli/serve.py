@@ -18,6 +18,7 @@ import socket
 import sys
 
 from ._models import add_quant_args, default_drafter, drafter_quant, load_drafter
+from ..compiled import COMPILE_SCOPES
 from ..methods import METHODS
 from ..decode import check_drafter, resolve_config
 from ..errors import GraftError, InputError
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy-hold", type=int, default=8, metavar="STEPS",
                    help="a batch plans its N, tau and D for the most requests of the last STEPS steps, so the "
                         "gap between a client's requests does not switch the policy (default: %(default)s)")
+    p.add_argument("--compile", nargs="?", const="on", default="off", choices=COMPILE_SCOPES,
+                   help="run the step forwards compiled (torch.compile), compiled at start-up before the port "
+                        "opens (minutes on a CPU; inductor caches them for the next start); 'drafter': only the "
+                        "drafter model's, the CPU pick (default: %(default)s)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds requests in flight may finish after SIGTERM (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -108,10 +113,20 @@ def main(argv: list[str] | None = None) -> int:
     plan = ", ".join(f"from {b}: N={c.budget} tau={c.tau:.3g} D={c.max_depth}" for b, c in policy.items())
     try:
         scheduler = Scheduler(target, drafter, method, config, args.max_queue, Metrics(), args.max_batch, policy,
-                              hold=args.policy_hold, max_model_len=args.max_model_len)
+                              hold=args.policy_hold, max_model_len=args.max_model_len, compile=args.compile)
     except GraftError as e:   # e.g. a batch of an EAGLE-3 head's requests
         print(f"graft-serve: error: {e}", file=sys.stderr)
         return 2
+    if args.compile != "off":
+        log = logging.getLogger("graft_tk.server")
+        log.info("compiling %s step forwards before serving (minutes on a CPU the first time; inductor's cache "
+                 "keeps them for the next start) ...", "the drafter's" if args.compile == "drafter" else "every")
+        try:
+            log.info("compiled in %.0f s", scheduler.warm_up())
+        except Exception as e:  # noqa: BLE001 - torch's compile errors have no common base
+            print(f"graft-serve: error: compiling the step forwards failed ({type(e).__name__}: {e}); "
+                  "serve without --compile", file=sys.stderr)
+            return 2
     name = args.served_model_name or args.model
     app = create_app(scheduler, name)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.grace))
@@ -122,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     host, port = sock.getsockname()[:2]
     logging.getLogger("graft_tk.server").info(
-        "serving %s (%s, %s weights, config: %s, batches of up to %d%s, %d tokens per request) at http://%s:%d/v1",
-        name, method, target.quant, source, args.max_batch, f"; by batch size {plan}" if plan else "",
-        scheduler.max_model_len, host, port)
+        "serving %s (%s, %s weights, config: %s, compile: %s, batches of up to %d%s, %d tokens per request) at "
+        "http://%s:%d/v1", name, method, target.quant, source, args.compile, args.max_batch,
+        f"; by batch size {plan}" if plan else "", scheduler.max_model_len, host, port)
     # uvicorn handles SIGTERM / SIGINT while it runs and raises them again after its shutdown; these
     # handlers take that second delivery, so the process ends with the cleanup below and status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

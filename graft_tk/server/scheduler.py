@@ -27,6 +27,8 @@ from .protocol import APIError, Request
 
 log = logging.getLogger("graft_tk.server")
 DEFAULT_MAX_MODEL_LEN = 4096   # tokens per request (prompt + answer) when --max-model-len is not given
+WARM_UP_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+WARM_UP_TOKENS = 12
 
 
 class Job:
@@ -132,11 +134,12 @@ class Scheduler:
     ``max_batch`` together (continuous batching)."""
 
     def __init__(self, target: Model, drafter, method: str, config, max_queue: int, metrics: Metrics,
-                 max_batch: int = 1, policy: dict | None = None, hold: int = 8, max_model_len: int | None = None):
+                 max_batch: int = 1, policy: dict | None = None, hold: int = 8, max_model_len: int | None = None,
+                 compile: bool | str = False):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.target, self.drafter, self.method, self.metrics = target, drafter, method, metrics
-        self.engine = Engine(target, drafter, config)
+        self.engine = Engine(target, drafter, config, compile=compile)
         # The KV caches are one pool of max_batch rows of max_model_len tokens (prompt + answer),
         # allocated here and never grown: a longer request is a 400, memory never creeps up.
         self.max_model_len = max_model_len or min(DEFAULT_MAX_MODEL_LEN, target.config.max_position_embeddings)
@@ -160,6 +163,26 @@ class Scheduler:
 
     def start(self) -> None:
         self._thread.start()
+
+    def warm_up(self) -> float:
+        """Compile the step forwards before the first request (with ``compile``; else nothing):
+        a short decode alone, then two requests together when batches of two or more are served
+        (dynamo specialises a batch of one; the second graph takes every larger batch). It runs on
+        a throwaway engine and batch of the serving ones' shapes: the graphs belong to the models
+        and outlive them, and the serving engine's adjacency matrix and acceptance rates start
+        clean. Returns the seconds it took."""
+        if self.engine.compile == "off":
+            return 0.0
+        start = time.perf_counter()
+        engine = Engine(self.target, self.drafter, self.engine.config, compile=self.engine.compile)
+        batch = Batch(engine, self.batch.max_batch, self.batch.policy, self.batch.hold, self.max_model_len)
+        ids = self.target.tokenizer.encode(WARM_UP_PROMPT)
+        for size in sorted({1, min(2, batch.max_batch)}):
+            for _ in range(size):
+                batch.add(ids, self.method, WARM_UP_TOKENS)
+            while len(batch):
+                batch.step()
+        return time.perf_counter() - start
 
     def submit(self, job: Job) -> None:
         if not self._accepting:
