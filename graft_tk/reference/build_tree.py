@@ -201,7 +201,8 @@ def build_tree(pool_tokens: Tensor, pool_parents: Tensor, pool_scores: Tensor, p
                                     every row alike or each row its own
     budget_n : int                  N, nodes in each tree including the root, >= 1
     pool_values : float32 [B, P]    estimated log P(accepted) of each pool entry (None: all 0)
-    cand_values : float32 [B, C]    estimated log P(accepted | parent accepted) of each candidate (None: all 0)
+    cand_values : float32 [B, C]    estimated log P(accepted | parent accepted, no drafted sibling accepted)
+                                    of each candidate (None: all 0; see ``free_share``)
 
     Returns
     -------

@@ -2,7 +2,8 @@
 
 A ``CandidateSource`` proposes, for every row of the batch, a fixed layout of C candidates (their
 template ``parents`` never change: -1 = a child of the root, else an earlier candidate of the
-source) with tokens (-1: none this step) and estimated log P(accepted | parent accepted); after
+source) with tokens (-1: none this step) and estimated log P(accepted | parent accepted, no drafted
+sibling accepted: ``build_tree`` multiplies in the share the drafted siblings leave); after
 the verify it ``observe``s which of its nodes were accepted. The step concatenates the sources in
 ``GRAFTED`` order (an earlier source's node wins a token two of them propose) and ``build_tree``
 grafts them all onto the drafted tree in one op. The drafter itself is the ``draft`` source
@@ -35,7 +36,7 @@ class StepView(NamedTuple):
 
 class Candidates(NamedTuple):
     tokens: Tensor             # int64 [B, C]: -1 = no candidate there this step
-    values: Tensor             # float32 [B, C]: log P(accepted | its parent accepted)
+    values: Tensor             # float32 [B, C]: log P(accepted | its parent accepted and no drafted sibling)
     note: Tensor | None = None  # what ``observe`` needs back (prompt lookup: the matched n-gram length;
                                 # suffix: each candidate's rate cell)
     source: Tensor | None = None  # int8 [B, C]: the source code of each candidate (None: the source's
