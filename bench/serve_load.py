@@ -16,7 +16,8 @@ them and their tree budget N; N = 1 is a step without speculation), and every an
 to the same prompt's answer under ``ar`` (greedy decoding is lossless, batched or not). With B = 1
 it also times the same requests through ``graft_tk.decode`` directly (prefill included, as the
 server's figures include it), so the server's advantage at B = 1 can be set against
-single-request decoding.
+single-request decoding. A method named ``<method>:compile-drafter`` runs as ``graft-serve
+--compile drafter`` does: its drafter's step forwards compiled, at the server's start (untimed).
 """
 from __future__ import annotations
 
@@ -34,11 +35,24 @@ from graft_tk._fs import atomic_write_text
 from graft_tk.cli._models import default_drafter, load_drafter
 from graft_tk.profiles import batch_policy
 from graft_tk.methods import METHODS
+from graft_tk.models.quant import cpu_drafter_quant
 from graft_tk.decode import encode_prompt, resolve_config
 from graft_tk.bench.prompts import load_prompts
 from graft_tk.server.app import serving_in_thread
 from graft_tk.server.metrics import Metrics
 from graft_tk.server.scheduler import Scheduler
+
+COMPILE_DRAFTER = ":compile-drafter"     # "<method>:compile-drafter": served with --compile drafter
+
+
+def method_of(name: str) -> str:
+    """The decoding method of a run name (without its compile suffix)."""
+    return name.removesuffix(COMPILE_DRAFTER)
+
+
+def compile_of(name: str) -> str:
+    """What a run compiles (graft_tk.compiled.COMPILE_SCOPES)."""
+    return "drafter" if name.endswith(COMPILE_DRAFTER) else "off"
 
 
 def run_client(urls: list[str], prompts: list[str], c: int, per_client: int, max_tokens: int
@@ -112,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--drafter", default=None, help="default: the model's registered drafter")
-    p.add_argument("--methods", default="ar,graft")
+    p.add_argument("--methods", default="ar,graft",
+                   help=f"comma list; '<method>{COMPILE_DRAFTER}' serves it with its drafter compiled")
     p.add_argument("--batches", default="1,2,4,8", help="concurrent clients = max batch, each B in turn")
     p.add_argument("--prompts", default="humaneval#8")
     p.add_argument("--requests-per-cell", type=int, default=16,
@@ -122,27 +137,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, metavar="OUT")
     args = p.parse_args(argv)
     methods, batches = args.methods.split(","), [int(b) for b in args.batches.split(",")]
+    unknown = [m for m in methods if method_of(m) not in METHODS
+               or compile_of(m) != "off" and not METHODS[method_of(m)].drafts]
+    if unknown:
+        p.error(f"unknown method(s) {unknown}: choose from {', '.join(METHODS)} ('{COMPILE_DRAFTER}' on one that drafts)")
     target = graft_tk.load_model(args.model, dtype=args.dtype)
     spec = args.drafter or default_drafter(args.model)
-    needs = any(METHODS[m].drafts for m in methods)
-    drafter = load_drafter(spec, target, args.model, dtype=args.dtype) if needs else None
+    needs = any(METHODS[method_of(m)].drafts for m in methods)
+    quant = cpu_drafter_quant(target.device, target.dtype) or "none"     # graft-serve's default drafter
+    drafter = load_drafter(spec, target, args.model, dtype=args.dtype, quant=quant) if needs else None
     texts = []
     for part in args.prompts.split(","):
         name, _, n = part.partition("#")
         texts += [q.text for q in load_prompts(name)[:int(n) if n else None]]
-    for method in methods:   # untimed: the first forwards of each shape in a process are slow
-        d = drafter if METHODS[method].drafts else None
-        graft_tk.decode(target, encode_prompt(target, texts[0], chat=True), drafter=d, method=method,
+    for name in methods:   # untimed: the first forwards of each shape in a process are slow
+        d = drafter if METHODS[method_of(name)].drafts else None
+        graft_tk.decode(target, encode_prompt(target, texts[0], chat=True), drafter=d, method=method_of(name),
                         max_new_tokens=8)
-    def server(method: str, B: int) -> tuple[Scheduler, str]:
+
+    def server(name: str, B: int) -> tuple[Scheduler, str]:
+        method = method_of(name)
         d = drafter if METHODS[method].drafts else None
         config, source = resolve_config(target, d, METHODS[method], None, None)
         policy = batch_policy(target, d, B) if method != "ar" else {}
         if policy:
             source += "; by batch size " + ", ".join(f"{b}: N={c.budget} tau={c.tau:.3g} D={c.max_depth}"
                                                      for b, c in policy.items())
-        return Scheduler(target, d, method, config, max_queue=256, metrics=Metrics(), max_batch=B,
-                         policy=policy), source
+        scheduler = Scheduler(target, d, method, config, max_queue=256, metrics=Metrics(), max_batch=B,
+                              policy=policy, compile=compile_of(name))
+        scheduler.warm_up()     # untimed, as graft-serve compiles before it opens its port
+        return scheduler, source
 
     rows = []
     for n, B in enumerate(batches):
@@ -173,12 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         tokens, seconds = dict.fromkeys(methods, 0), dict.fromkeys(methods, 0.0)
         for i in range(args.requests_per_cell):
             ids = encode_prompt(target, texts[i % len(texts)], chat=True)
-            for method in (methods if i % 2 == 0 else methods[::-1]):
-                d = drafter if METHODS[method].drafts else None
+            for name in (methods if i % 2 == 0 else methods[::-1]):
+                d = drafter if METHODS[method_of(name)].drafts else None
                 t = time.perf_counter()
-                tokens[method] += len(graft_tk.decode(target, ids, drafter=d, method=method,
-                                                      max_new_tokens=args.max_tokens).tokens)
-                seconds[method] += time.perf_counter() - t
+                tokens[name] += len(graft_tk.decode(target, ids, drafter=d, method=method_of(name),
+                                                    max_new_tokens=args.max_tokens, compile=compile_of(name)).tokens)
+                seconds[name] += time.perf_counter() - t
         single = {m: tokens[m] / seconds[m] for m in methods}
     lines = ["| B | method | requests/s | output tok/s | vs ar | p50 latency s | p95 latency s | peak batch "
              "| same tokens |",
