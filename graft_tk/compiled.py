@@ -64,15 +64,26 @@ def compiled_forward(net: Transformer, dynamic: bool = False):
     symbolic from the first call (else specialised, and symbolic only once one changes)."""
     by_mode = _COMPILED.setdefault(net, {})
     if dynamic not in by_mode:
-        import torch._dynamo
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _GRAPHS_PER_CODE)
         if net.compute_weight.device.type == "cuda":
             fn = torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None, mode="reduce-overhead")
         else:
             fn = _with_cpu_inductor_config(torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None),
                                            autotune_gemm=quantized(net))
-        by_mode[dynamic] = fn
+        by_mode[dynamic] = graph_limited(fn)
     return by_mode[dynamic]
+
+
+def graph_limited(fn):
+    """``fn`` run with dynamo's limit of graphs per code object raised to ``_GRAPHS_PER_CODE``. Set
+    around every call: dynamo's config is per thread, and graft-serve decodes in a thread of its own,
+    where a value set once at start-up was not seen (the limit stayed 8, and with fullgraph the 9th
+    shape failed its request)."""
+    import torch._dynamo
+
+    def run(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=_GRAPHS_PER_CODE):
+            return fn(*args, **kwargs)
+    return run
 
 
 def quantized(net: Transformer) -> bool:

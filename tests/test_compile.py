@@ -106,6 +106,38 @@ def test_a_server_compiles_at_start_up_and_its_requests_compile_nothing(target, 
     assert Scheduler(target, None, "retrieval", GraftConfig(), 8, Metrics()).warm_up() == 0.0   # no compile: nothing
 
 
+def test_the_graph_limit_holds_in_the_thread_that_decodes():
+    """Dynamo's limit of graphs per code object is per thread: graft-serve's decode thread did not
+    see a value set at start-up, and its 9th shape failed a request (fullgraph). ``graph_limited``
+    sets it around every call; here on dynamo's eager backend (the limit is the backend's, not
+    inductor's), 11 shapes in a new thread."""
+    import threading
+
+    from graft_tk.compiled import graph_limited
+
+    def double(x):      # two functions: dynamo counts graphs per code object
+        return x * 2 + 1
+
+    def double_too(x):
+        return x * 2 + 1
+
+    failed = []
+
+    def decode_thread(fn):
+        try:
+            for n in range(1, 12):
+                assert torch.equal(fn(torch.ones(n)), torch.full((n,), 3.0))
+        except Exception as e:  # noqa: BLE001
+            failed.append(type(e).__name__)
+    for f, limited, want in ((double, False, ["FailOnRecompileLimitHit"]), (double_too, True, [])):
+        failed.clear()
+        fn = torch.compile(f, backend="eager", fullgraph=True, dynamic=False)
+        thread = threading.Thread(target=decode_thread, args=(graph_limited(fn) if limited else fn,))
+        thread.start()
+        thread.join()
+        assert failed == want, limited
+
+
 def test_an_engine_built_eager_refuses_compile(target):
     engine = Engine(target, None, GraftConfig())
     with pytest.raises(InputError, match="compile=True"):
