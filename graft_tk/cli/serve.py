@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=COMPILE_SCOPES,
                    help="run the step forwards compiled (torch.compile), compiled at start-up before the port "
                         "opens (minutes on a CPU; inductor caches them for the next start); 'drafter': only the "
-                        "drafter model's, the CPU pick (default: %(default)s)")
+                        "drafter model's. On a CPU measure it first: docs/roofline.md (default: %(default)s)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds requests in flight may finish after SIGTERM (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true")
