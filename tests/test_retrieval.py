@@ -190,21 +190,5 @@ def test_tips_graft_retrieval_beneath_the_best_drafted_node_of_each_depth():
     assert tree[node[12]][1] == node[10] and tree[node[12]][2] == DRAFT          # drafted, not re-added
     assert tree[node[13]][1] == node[12] and tree[node[13]][2] == RETRIEVAL      # M below the depth-2 tip
     assert tree[node[6]][1] == node[10] and tree[node[8]][1] == node[6]          # and below the depth-1 tip
-    # Rates per (tip depth, position), cells (d - 1) * 2 + i. The target takes 10 then 6: M's 6 beside
-    # the rejected drafted 12 counts at depth 1 (accepted), its child 8 too (rejected); nothing under
-    # the depth-2 tip was tried.
-    from graft_tk.acceptance import on_path_mask
-
-    def accept(*tokens):
-        path = torch.full((1, 8), -1)
-        path[0, :len(tokens) + 1] = torch.tensor([0] + [node[t] for t in tokens])
-        source.observe(built, on_path_mask(path), built.cand_node, None)
-    accept(10, 6)
-    assert source.tip_rates.n.tolist() == [1, 1, 0, 0] and source.tip_rates.acc.tolist() == [1, 0, 0, 0]
-    # then 10, 12, 13: 13 counts at depth 2; 6 is not tried beside the accepted drafted 12
-    accept(10, 12, 13)
-    d = source.tip_rates.decay
-    assert source.tip_rates.n.tolist() == pytest.approx([d, d, 1, 0])
-    assert source.tip_rates.acc.tolist() == pytest.approx([d, 0, 1, 0])
     # no drafted pool: the tip blocks are empty
     assert (source.propose(StepView(torch.tensor([1]), torch.tensor([[1]]), torch.tensor([1]))).tokens[0, 1:] == -1).all()

@@ -13,10 +13,7 @@ Each step proposes, for every row:
   drafted node of every depth d = 1 .. D (the best by estimated acceptance, kept by the pruning
   or not): its candidates are the drafted path down to that node (re-proposed, marked DRAFT, so
   they land on the drafted nodes at no cost, or bring back a pruned one at its drafter value),
-  then the template beneath it, valued by its own rates per (tip depth, position): beneath a tip
-  that the drafter continued a candidate is exclusive with the drafted child and counted only
-  where that child was rejected, beneath the deepest tip nothing competes, and one table for both
-  overvalued the second (0.25 expected vs 0.16 observed at depth 7). So M continues where the
+  then the template beneath it, valued by its own per-position rates. So M continues where the
   drafter stopped, instead of only where M's own path from the root matched every drafted token
   (which was almost never: ``docs/retrieval.md``).
 """
@@ -47,8 +44,7 @@ class AdjacencySource:
         # positions then the tip template under the last (layout in ``_tip_layout``).
         self.tip_depths = config.max_depth if config.tip_template else 0
         self.tip = template_from_level_sizes(config.tip_template or (1,), config.retrieval_k).to(device)
-        prior, weight = self._priors(self.tip, priors, device)
-        self.tip_rates = Rates(prior.repeat(max(self.tip_depths, 1)), weight.repeat(max(self.tip_depths, 1)))
+        self.tip_rates = Rates(*self._priors(self.tip, priors, device))
         self.parents = torch.cat([self.template.parents, self._tip_layout(device)])
 
     @property
@@ -67,7 +63,7 @@ class AdjacencySource:
         Block d (1 .. D): positions 0 .. d - 1 the drafted path to the depth-d tip, then the tip
         template's n nodes. Gathers for ``propose``: ``_take`` indexes [path tokens (D x D, tip
         row-major, by depth), tip template tokens (D x n)]; ``_is_path`` marks path positions;
-        ``_cell`` is a tip-template node's rate cell, (d - 1) * n + its position."""
+        ``_cell`` is a tip-template node's rate cell."""
         D, T, n = self.tip_depths, self.template.n, self.tip.n
         parents, take, is_path, cell = [], [], [], []
         for d in range(1, D + 1):
@@ -81,7 +77,7 @@ class AdjacencySource:
                 parents.append(at + d - 1 if p < 0 else at + d + p)
                 take.append(D * D + (d - 1) * n + i)
                 is_path.append(False)
-                cell.append((d - 1) * n + i)
+                cell.append(i)
         self._take = torch.tensor(take, dtype=torch.long, device=device)
         self._is_path = torch.tensor(is_path, dtype=torch.bool, device=device)
         self._cell = torch.tensor(cell, dtype=torch.long, device=device)
@@ -126,9 +122,9 @@ class AdjacencySource:
         tips = torch.where(drafted, up_tok[:, :, 0], -1).reshape(-1)
         below = self.ops.retrieve(self.matrix, tips.clamp(min=0), self.tip).view(B, D, -1)
         below = below.masked_fill(~drafted[:, :, None], -1)
-        tip_values = self.tip_rates.rate().log()                              # [D * n], depth-major
+        tip_values = self.tip_rates.rate().log()
         tokens = torch.cat([path_tok.reshape(B, -1), below.reshape(B, -1)], 1)[:, self._take]
-        values = torch.cat([cond.reshape(B, -1), tip_values.expand(B, -1)], 1)[:, self._take]
+        values = torch.cat([cond.reshape(B, -1), tip_values.expand(B, D, -1).reshape(B, -1)], 1)[:, self._take]
         return tokens, values
 
     def observe(self, built: BuiltTree, on_path: Tensor, nodes: Tensor, note: Tensor | None) -> None:
