@@ -65,23 +65,27 @@ def compiled_forward(net: Transformer, dynamic: bool = False):
     by_mode = _COMPILED.setdefault(net, {})
     if dynamic not in by_mode:
         if net.compute_weight.device.type == "cuda":
-            fn = torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None, mode="reduce-overhead")
-        else:
-            fn = _with_cpu_inductor_config(torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None),
-                                           autotune_gemm=quantized(net))
-        by_mode[dynamic] = graph_limited(fn)
+            fn = graph_limited(torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None,
+                                             mode="reduce-overhead"))
+        else:   # freezing (and for a quantized model GEMM autotuning) on, so every graph has them
+            fn = graph_limited(torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None),
+                               freezing=True, max_autotune_gemm=quantized(net))
+        by_mode[dynamic] = fn
     return by_mode[dynamic]
 
 
-def graph_limited(fn):
-    """``fn`` run with dynamo's limit of graphs per code object raised to ``_GRAPHS_PER_CODE``. Set
-    around every call: dynamo's config is per thread, and graft-serve decodes in a thread of its own,
-    where a value set once at start-up was not seen (the limit stayed 8, and with fullgraph the 9th
-    shape failed its request)."""
+def graph_limited(fn, **inductor_options):
+    """``fn`` run with dynamo's limit of graphs per code object raised to ``_GRAPHS_PER_CODE`` and
+    ``inductor_options`` set in inductor's config. Both are set around every call: inductor reads
+    its flags while a graph compiles (``torch.compile(options=...)`` did not switch freezing on),
+    and dynamo's config is per thread: graft-serve decodes in a thread of its own, where a limit
+    set once at start-up was not seen (it stayed 8, and with fullgraph the 9th shape failed its
+    request)."""
     import torch._dynamo
+    import torch._inductor.config as inductor_config
 
     def run(*args, **kwargs):
-        with torch._dynamo.config.patch(recompile_limit=_GRAPHS_PER_CODE):
+        with torch._dynamo.config.patch(recompile_limit=_GRAPHS_PER_CODE), inductor_config.patch(**inductor_options):
             return fn(*args, **kwargs)
     return run
 
@@ -89,16 +93,6 @@ def graph_limited(fn):
 def quantized(net: Transformer) -> bool:
     """Whether ``net`` has weight-only quantized linear layers."""
     return any(isinstance(m, QuantLinear) for m in net.modules())
-
-
-def _with_cpu_inductor_config(fn, autotune_gemm: bool):
-    """``fn`` run with freezing (and GEMM autotuning) on, so any graph it compiles has them."""
-    import torch._inductor.config as inductor_config
-
-    def run(*args, **kwargs):
-        with inductor_config.patch(freezing=True, max_autotune_gemm=autotune_gemm):
-            return fn(*args, **kwargs)
-    return run
 
 
 class StepForward:
