@@ -86,6 +86,28 @@ def test_compile_drafter_compiles_only_the_drafter_and_equals_ar(target, drafter
     assert got.stats["compile"] == "drafter" and got.stats["drafter_forwards_per_step"] > 0
 
 
+def test_a_compiled_drafter_forward_reads_only_its_contexts_keys(drafter):
+    """A drafter's graphs have symbolic sizes, so they attend over the keys of the context (the
+    plan's bound), not the whole static cache: one graph for every context length, and a server's
+    4096-slot cache is not read whole by every drafter forward (it made graft-serve --compile
+    drafter slower than eager). The slots past the context hold NaN: a read of them would show."""
+    net = drafter.net
+    step = StepForward(net, compile=True, dynamic=True)
+    tokens = torch.tensor([[504, 3091, 282, 260, 6372, 30, 17]])
+    graphs = []
+    with torch.inference_mode():
+        net.setup_cache(2048)
+        for n in (5, 7):
+            net.kv.zero_()
+            eager = net(tokens[:, :n], torch.arange(n), 0)
+            net.kv.zero_()
+            net.kv[:, :, :, :, n:] = float("nan")
+            got = step(tokens[:, :n], torch.arange(n), 0)
+            torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0]
+
+
 def test_a_server_compiles_at_start_up_and_its_requests_compile_nothing(target, drafter):
     """graft-serve --compile drafter: the warm-up compiles the graphs of a batch of one and of two,
     so requests alone and together then run without compiling, equal to plain greedy; the warm-up

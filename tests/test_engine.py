@@ -187,6 +187,18 @@ def test_depth_zero_decodes_without_the_drafter(smollm2, self_drafter):
     assert got.tokens == ref.tokens and got.stats["drafter_forwards_per_step"] == 0 and got.stats["mat"] > 1
 
 
+def test_the_drafter_never_drafts_deeper_than_the_budget_can_verify(smollm2, self_drafter):
+    """A tree of N nodes (its root one of them) reaches depth N - 1 at most, so a step drafts at
+    most N - 1 depths whatever D is: with N = 3 and D = 6 it once ran 6 drafter forwards a step
+    for 2 usable depths (the int4 target's knee on a CPU without AMX is N = 3)."""
+    ids = encode_prompt(smollm2, "Count from one to twenty: one, two, three,", chat=False)
+    ref = graft_tk.decode(smollm2, ids, max_new_tokens=16)
+    for method in ("tree", "graft"):
+        got = graft_tk.decode(smollm2, ids, drafter=self_drafter, method=method, max_new_tokens=16,
+                              config=GraftConfig(budget=3, max_depth=6, tau=1e-6))
+        assert got.tokens == ref.tokens and 1 <= got.stats["drafter_forwards_per_step"] <= 2, method
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(budget=0), "budget"), (dict(tau=0.0), "tau"), (dict(tau=1.5), "tau"), (dict(top_k=0), "top_k"),
     (dict(max_depth=-1), "max_depth"), (dict(retrieval_k=0), "retrieval_k"), (dict(template=()), "template"),
