@@ -19,11 +19,14 @@ rendering the templates would add minutes per graph. Both are config values
 read while a graph compiles, so they are set around every call (``torch.compile(options=...)``
 does not switch freezing on). On CUDA the graph is captured in a CUDA graph
 (``mode="reduce-overhead"``). A prompt's prefill (``StepForward.prefill``) runs eagerly, except
-for a quantized model compiled on a CPU: torch's eager int4 / int8 kernels loop over rows (a
-128-token prefill of the int4 1.5B target took 1.8 s), so its prompt runs in fixed chunks of
-``PREFILL_CHUNK`` tokens through one more graph, whose GEMMs are inductor's templates, flat in the
-rows (the last chunk padded; its padding's K/V land past the prompt, where later tokens overwrite
-them before anything reads them).
+for a quantized model compiled on a CPU with AMX: torch's eager int4 / int8 kernels loop over rows
+(a 128-token prefill of the int4 1.5B target took 1.8 s), so its prompt runs in fixed chunks of
+``PREFILL_CHUNK`` tokens through one more graph, whose GEMMs are inductor's AMX templates, flat in
+the rows (0.37 s; the last chunk padded, its padding's K/V land past the prompt, where later tokens
+overwrite them before anything reads them). Without AMX the templates unpack the weights for every
+4 rows and the chunks cost more than the eager loop (a 2-core Zen 4, 150 tokens: the int4 target
+3.24 s chunked against 2.29 s eager, the int4-all drafter 0.94 against 0.73 s), so there the
+prefill stays eager.
 
 Compilation happens once per model and shape in a process (``compiled_forward`` keeps them), and
 takes minutes on a small CPU: it pays off over long generations and servers, not one short call.
@@ -39,6 +42,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from ._cpu import cpu_info
 from .errors import InputError
 from .models.attention import AttentionPlan
 from .models.quant import QuantLinear
@@ -93,6 +97,11 @@ def graph_limited(fn, **inductor_options):
     return run
 
 
+def amx_cpu() -> bool:
+    """Whether this CPU has AMX tiles (inductor's int4 / int8 GEMM templates are then flat in the rows)."""
+    return "amx_tile" in cpu_info()[1]
+
+
 def quantized(net: Transformer) -> bool:
     """Whether ``net`` has weight-only quantized linear layers."""
     return any(isinstance(m, QuantLinear) for m in net.modules())
@@ -106,7 +115,7 @@ class StepForward:
         self.compiled = compiled_forward(net, dynamic) if compile else None
         self._cuda_graphs = compile and net.compute_weight.device.type == "cuda"
         self.symbolic = dynamic and not self._cuda_graphs     # a CUDA graph replays fixed shapes
-        self.chunked_prefill = compile and not self._cuda_graphs and quantized(net)
+        self.chunked_prefill = compile and not self._cuda_graphs and quantized(net) and amx_cpu()
 
     def prefill(self, tokens: Tensor, hidden_layers: tuple[int, ...] | None = None, attention=None):
         """A prompt ``tokens`` [B, n] into cache slots 0 .. n - 1: its last position's logits

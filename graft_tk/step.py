@@ -175,11 +175,12 @@ def _propose(engine, rows: list[Request], context: Tensor, config: GraftConfig, 
         p = cand.values.exp().masked_fill(cand.tokens < 0, 0.0)
         drafts[0] = engine.draft_gate.drafts(host_read(p.cumprod(1).sum(1))[0])
     pool = DraftPool.empty(B, device)
-    # A tree of N nodes (the root one of them) reaches depth N - 1 at most: deeper drafts are never verified.
+    # A tree of N nodes (the root one of them) holds N - 1 drafted nodes at most: it reaches depth
+    # N - 1 and no node in it has more children, so deeper or wider drafts are never verified.
     depth = min(config.max_depth, N - 1)
     if any(drafts) and depth > 0 and (policy is None or policy.should_draft()):
         pool = engine.drafter.draft(DraftRequest(context[:B], [r.length for r in rows], drafts, log_tau,
-                                                 config.top_k, depth), ops)
+                                                 min(config.top_k, N - 1), depth), ops)
     clock.lap("draft")
     if N == 1:                          # plain decoding: the root alone
         return _root_only(roots), pool, [], clock

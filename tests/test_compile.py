@@ -196,13 +196,16 @@ def test_a_quantized_cpu_forward_compiles_frozen_with_its_gemms_autotuned(smollm
 
 
 def test_a_compiled_quantized_prefill_runs_in_fixed_chunks_and_matches_the_eager_one(monkeypatch):
-    """A quantized model compiled on a CPU prefills in PREFILL_CHUNK-token chunks through one graph
+    """A quantized model compiled on a CPU with AMX prefills in PREFILL_CHUNK-token chunks through one graph
     (the last padded, or run eagerly where the padding would pass the cache's end): the same last
     logits, hidden states and cache entries as one eager forward, within bf16 rounding."""
     import graft_tk.compiled as compiled
 
     monkeypatch.setattr(compiled, "PREFILL_CHUNK", 10)
     model = graft_tk.load_model("smollm2-135m", dtype="bf16", quant="int4", num_layers=1, progress=False)
+    monkeypatch.setattr(compiled, "amx_cpu", lambda: False)      # without AMX the chunks cost more: eager
+    assert not StepForward(model.net, compile=True).chunked_prefill
+    monkeypatch.setattr(compiled, "amx_cpu", lambda: True)
     net, step = model.net, StepForward(model.net, compile=True)
     assert step.chunked_prefill
     torch.manual_seed(0)

@@ -187,16 +187,20 @@ def test_depth_zero_decodes_without_the_drafter(smollm2, self_drafter):
     assert got.tokens == ref.tokens and got.stats["drafter_forwards_per_step"] == 0 and got.stats["mat"] > 1
 
 
-def test_the_drafter_never_drafts_deeper_than_the_budget_can_verify(smollm2, self_drafter):
-    """A tree of N nodes (its root one of them) reaches depth N - 1 at most, so a step drafts at
-    most N - 1 depths whatever D is: with N = 3 and D = 6 it once ran 6 drafter forwards a step
-    for 2 usable depths (the int4 target's knee on a CPU without AMX is N = 3)."""
+def test_the_drafter_never_drafts_deeper_or_wider_than_the_budget_can_verify(smollm2, self_drafter):
+    """A tree of N nodes (its root one of them) holds N - 1 drafted nodes, so a step drafts at most
+    N - 1 depths and N - 1 children a node whatever D and K are: with N = 3, D = 6 and K = 4 it
+    once ran 6 drafter forwards (4 rows wide) a step for 2 usable nodes (the int4 target's knee
+    on a CPU without AMX is N = 3)."""
     ids = encode_prompt(smollm2, "Count from one to twenty: one, two, three,", chat=False)
     ref = graft_tk.decode(smollm2, ids, max_new_tokens=16)
     for method in ("tree", "graft"):
-        got = graft_tk.decode(smollm2, ids, drafter=self_drafter, method=method, max_new_tokens=16,
-                              config=GraftConfig(budget=3, max_depth=6, tau=1e-6))
+        engine = Engine(smollm2, self_drafter, GraftConfig(budget=3, max_depth=6, top_k=4, tau=1e-6))
+        requests, draft = [], engine.drafter.draft
+        engine.drafter.draft = lambda request, ops: requests.append(request) or draft(request, ops)
+        got = graft_tk.decode(smollm2, ids, method=method, engine=engine, max_new_tokens=16)
         assert got.tokens == ref.tokens and 1 <= got.stats["drafter_forwards_per_step"] <= 2, method
+        assert requests and {(r.max_depth, r.top_k) for r in requests} == {(2, 2)}, method
 
 
 @pytest.mark.parametrize("kwargs, message", [
