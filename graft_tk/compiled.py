@@ -8,9 +8,9 @@ the batch's shape) and made symbolic in a size once that changes (dynamo's autom
 2-core Zen 4 the int4 target's symbolic graph ran 3 rows in 72.7 ms, per-width static graphs in
 74.0). A drafter, whose forwards change width (the committed tokens it has not seen, the frontier),
 is compiled with symbolic sizes (``dynamic``) from the start, and so reads only the keys of its
-context (the plan's bound): one graph serves every context length. On a CPU the graphs compile with inductor's
-``freezing`` (the weights become constants, float ones packed for oneDNN) and, for a model with
-quantized weights, GEMM autotuning (``max_autotune_gemm``): for every linear layer and call width
+context (the plan's bound): one graph serves every context length. On a CPU the graphs compile
+with inductor's ``freezing`` (the weights become constants, float ones packed for oneDNN) and,
+for a model with quantized weights, GEMM autotuning (``max_autotune_gemm``): for every linear layer and call width
 inductor times its C++ GEMM templates — AMX / AVX-512 micro-kernels that unpack int4 / int8
 weights in registers, flat in the number of rows where torch's packed weight-only kernels loop
 over them — against the aten kernel, and keeps the faster (its choices are cached in inductor's

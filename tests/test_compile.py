@@ -89,8 +89,9 @@ def test_compile_drafter_compiles_only_the_drafter_and_equals_ar(target, drafter
 def test_a_compiled_drafter_forward_reads_only_its_contexts_keys(drafter):
     """A drafter's graphs have symbolic sizes, so they attend over the keys of the context (the
     plan's bound), not the whole static cache: one graph for every context length, and a server's
-    4096-slot cache is not read whole by every drafter forward (it made graft-serve --compile
-    drafter slower than eager). The slots past the context hold NaN: a read of them would show."""
+    4096-slot cache is not read whole by every drafter forward (one of the two reasons graft-serve
+    --compile drafter served slower than eager). The slots past the context hold NaN: a read of
+    them would show."""
     net = drafter.net
     step = StepForward(net, compile=True, dynamic=True)
     tokens = torch.tensor([[504, 3091, 282, 260, 6372, 30, 17]])
@@ -196,9 +197,9 @@ def test_a_quantized_cpu_forward_compiles_frozen_with_its_gemms_autotuned(smollm
 
 
 def test_a_compiled_quantized_prefill_runs_in_fixed_chunks_and_matches_the_eager_one(monkeypatch):
-    """A quantized model compiled on a CPU with AMX prefills in PREFILL_CHUNK-token chunks through one graph
-    (the last padded, or run eagerly where the padding would pass the cache's end): the same last
-    logits, hidden states and cache entries as one eager forward, within bf16 rounding."""
+    """A quantized model compiled on a CPU with AMX prefills in PREFILL_CHUNK-token chunks through
+    one graph (the last padded, or run eagerly where the padding would pass the cache's end): the
+    same last logits, hidden states and cache entries as one eager forward, within bf16 rounding."""
     import graft_tk.compiled as compiled
 
     monkeypatch.setattr(compiled, "PREFILL_CHUNK", 10)
