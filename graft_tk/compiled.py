@@ -10,12 +10,12 @@ the batch's shape) and made symbolic in a size once that changes (dynamo's autom
 is compiled with symbolic sizes (``dynamic``) from the start, and so reads only the keys of its
 context (the plan's bound): one graph serves every context length. On a CPU the graphs compile
 with inductor's ``freezing`` (the weights become constants, float ones packed for oneDNN) and,
-for a model with quantized weights, GEMM autotuning (``max_autotune_gemm``): for every linear layer and call width
-inductor times its C++ GEMM templates — AMX / AVX-512 micro-kernels that unpack int4 / int8
-weights in registers, flat in the number of rows where torch's packed weight-only kernels loop
-over them — against the aten kernel, and keeps the faster (its choices are cached in inductor's
-cache folder). A float model skips the search: oneDNN's packed GEMM is its fast path, and
-rendering the templates would add minutes per graph. Both are config values
+for a model with quantized weights, GEMM autotuning (``max_autotune_gemm``): for every linear
+layer and call width inductor times its C++ GEMM templates — AMX / AVX-512 micro-kernels that
+unpack int4 / int8 weights in registers, flat in the number of rows where torch's packed
+weight-only kernels loop over them — against the aten kernel, and keeps the faster (its choices
+are cached in inductor's cache folder). A float model skips the search: oneDNN's packed GEMM is
+its fast path, and rendering the templates would add minutes per graph. Both are config values
 read while a graph compiles, so they are set around every call (``torch.compile(options=...)``
 does not switch freezing on). On CUDA the graph is captured in a CUDA graph
 (``mode="reduce-overhead"``). A prompt's prefill (``StepForward.prefill``) runs eagerly, except
