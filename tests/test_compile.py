@@ -175,13 +175,16 @@ def test_a_quantized_cpu_forward_compiles_frozen_with_its_gemms_autotuned(smollm
     """On a CPU the compiled graphs are frozen (weights constants, the KV cache and RoPE table graph
     inputs: a new cache reuses the graph) and a quantized model's GEMMs are autotuned (inductor's
     C++ templates where this CPU has them). torch.compile(options={"freezing": True}) once left both
-    off without a sign."""
+    off without a sign. Inductor's caches are off here: a graph or autotune result cached by an
+    earlier run (or test) replays without benchmarking, and the count would read 0."""
     from pathlib import Path
+
+    import torch._inductor.config as inductor_config
     model = graft_tk.load_model("smollm2-135m", dtype="bf16", quant="int4", num_layers=1, progress=False)
     net, step = model.net, StepForward(model.net, compile=True)
     tokens = torch.tensor([[504, 3091, 282, 260]])
     counters.clear()
-    with torch.inference_mode():
+    with torch.inference_mode(), inductor_config.patch(force_disable_caches=True, autotune_local_cache=False):
         net.setup_cache(64)
         eager = net(tokens, torch.arange(4), 0)
         got = step(tokens, torch.arange(4), 0)
