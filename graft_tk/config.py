@@ -69,6 +69,13 @@ class GraftConfig:
                    "remeasure with graft-calibrate --cost-only")
 
 
+def verifiable(limit: int, N: int) -> int:
+    """A drafting limit (depths, or children per node) capped at what a tree of N nodes can verify:
+    it holds N - 1 drafted nodes (the root is one of the N), so it reaches depth N - 1 at most and no
+    node in it has more children. Deeper or wider drafts are never verified."""
+    return min(limit, N - 1)
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise InputError(message + " (see GraftConfig)")

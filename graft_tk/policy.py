@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 
+from .config import verifiable
 from .cost import StepCost
 
 RATE_DECAY = 0.95
@@ -46,7 +47,8 @@ class StepPolicy:
     lives as long as its engine."""
 
     def __init__(self, cost: StepCost, top_k: int, budget: int = 16):
-        self.cost, self.top_k = cost, top_k
+        self.cost = cost
+        self.top_k = max(verifiable(top_k, budget), 1)     # as wide as the step drafts
         n = min(budget, len(cost.verify_ms))
         # what one more verified node costs: the verify curve's mean slope up to N (~0 where flat)
         self.row_ms = (cost.verify_ms[n - 1] - cost.verify_ms[0]) / (n - 1) if n > 1 else 0.0

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .acceptance import SCORE_EDGES, node_probs, on_path_mask
-from .config import GraftConfig
+from .config import GraftConfig, verifiable
 from .counters import StepCounters, counting, host_read
 from .drafting import DraftPool, DraftRequest
 from .methods import Method
@@ -175,12 +175,10 @@ def _propose(engine, rows: list[Request], context: Tensor, config: GraftConfig, 
         p = cand.values.exp().masked_fill(cand.tokens < 0, 0.0)
         drafts[0] = engine.draft_gate.drafts(host_read(p.cumprod(1).sum(1))[0])
     pool = DraftPool.empty(B, device)
-    # A tree of N nodes (the root one of them) holds N - 1 drafted nodes at most: it reaches depth
-    # N - 1 and no node in it has more children, so deeper or wider drafts are never verified.
-    depth = min(config.max_depth, N - 1)
+    depth = verifiable(config.max_depth, N)
     if any(drafts) and depth > 0 and (policy is None or policy.should_draft()):
         pool = engine.drafter.draft(DraftRequest(context[:B], [r.length for r in rows], drafts, log_tau,
-                                                 min(config.top_k, N - 1), depth), ops)
+                                                 verifiable(config.top_k, N), depth), ops)
     clock.lap("draft")
     if N == 1:                          # plain decoding: the root alone
         return _root_only(roots), pool, [], clock

@@ -63,8 +63,12 @@ def test_depth_threshold_is_the_lowest_score_whose_acceptance_pays_for_a_forward
     assert policy.depth_log_tau(rates, SCORE_EDGES, -math.inf) > SCORE_EDGES[7]   # ... and the bar
     # where each verified node costs a row (1 ms here), the frontier's best must pay for its row too:
     # p_min = 0.1 * (4 + 1), bucket 10 first pays
-    steep = StepPolicy(dataclasses.replace(cost, verify_ms=(10.0, 11.0, 12.0, 13.0)), top_k=4, budget=4)
+    steep = StepPolicy(dataclasses.replace(cost, verify_ms=(10.0, 11.0, 12.0, 13.0, 14.0)), top_k=4, budget=5)
     assert steep.row_ms == 1.0 and steep.depth_log_tau(rates, SCORE_EDGES, -math.inf) == SCORE_EDGES[9]
+    # a tree of 3 nodes takes 2 drafted children at most, so the step drafts 2 wide and the forward
+    # is priced at 2 rows (2 ms): p_min = 0.1 * (2 + 1), bucket 6 first pays
+    narrow = StepPolicy(dataclasses.replace(cost, verify_ms=(10.0, 11.0, 12.0)), top_k=4, budget=3)
+    assert narrow.top_k == 2 and narrow.depth_log_tau(rates, SCORE_EDGES, -math.inf) == SCORE_EDGES[5]
 
 
 def test_drafting_stops_where_the_drafted_nodes_rows_cost_more_than_they_add():
