@@ -4,6 +4,7 @@ bounded load test, and SIGTERM on the real CLI."""
 import asyncio
 import concurrent.futures
 import contextlib
+import http.client
 import json
 import re
 import signal
@@ -111,6 +112,20 @@ def test_models_health_and_metrics(server, client):
                  "accepted_tokens_total", "queue_depth", "phase_seconds_total", "request_latency_seconds_bucket"):
         assert f"graft_{name}" in text, name
     assert metric(url, "completion_tokens_total") >= 3 and metric(url, "mean_accepted_tokens") >= 1
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive(server):
+    """The server keeps an idle connection open past httpx's keep-alive (5 s, the OpenAI client's),
+    so the client closes first. At uvicorn's default, also 5 s, both closed together and a request
+    sent on a connection the server was closing failed (the fuzz test's "connection reset")."""
+    connection = http.client.HTTPConnection(server[0].removeprefix("http://"), timeout=10)
+    connection.request("GET", "/health")
+    assert connection.getresponse().read() == b'{"status":"ok"}'
+    sock = connection.sock
+    time.sleep(httpx.Limits().keepalive_expiry + 1)
+    connection.request("GET", "/health")        # on the same connection, or RemoteDisconnected
+    assert connection.sock is sock and connection.getresponse().status == 200
+    connection.close()
 
 
 @pytest.mark.parametrize("path, body, status, param", [

@@ -73,7 +73,10 @@ def server():
     target, drafter = random_model(tokenizer_dir, 2, seed=0), random_model(tokenizer_dir, 1, seed=1)
     scheduler = Scheduler(target, drafter, "graft", GraftConfig(), 64, Metrics(), 4)
     with serving_in_thread(scheduler, NAME) as url:
-        with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
+        # pooled connections never expire on the client's side: where one expires (httpx: after 5 s
+        # idle) just as another thread takes it, httpcore closes it under that thread (EBADF)
+        limits = httpx.Limits(keepalive_expiry=None)
+        with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
             yield client, scheduler
 
 

@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("graft_tk.server").setLevel(logging.INFO)     # one line per request
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - the [serve] extra, checked before the models load
 
-        from ..server.app import create_app
+        from ..server.app import create_app, http_server
         from ..server.metrics import Metrics
         from ..server.scheduler import Scheduler
     except ImportError as e:
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     name = args.served_model_name or args.model
     app = create_app(scheduler, name)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.grace))
+    server = http_server(app, args.grace)
     try:
         sock = socket.create_server((args.host, args.port))     # bound here: --port 0 tells its port below
     except OSError as e:

@@ -30,6 +30,10 @@ from .scheduler import Job, Scheduler
 
 log = logging.getLogger("graft_tk.server")
 DISCONNECT_POLL_S = 0.25    # how often a waiting non-streaming handler checks that its client is still there
+# How long an idle connection stays open. Longer than clients keep theirs (httpx, so the OpenAI
+# client: 5 s; aiohttp: 15 s), so the client closes first: at uvicorn's default (5 s, equal to
+# httpx's) a request sent on a connection the server was closing failed ("connection reset").
+KEEP_ALIVE_S = 75
 
 
 def create_app(scheduler: Scheduler, served_name: str) -> Starlette:
@@ -190,13 +194,19 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+def http_server(app: Starlette, grace: float | None = None):
+    """The uvicorn server graft-serve runs ``app`` on (``grace``: seconds open requests get at shutdown)."""
+    import uvicorn
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S,
+                                         timeout_graceful_shutdown=grace))
+
+
 @contextlib.contextmanager
 def serving_in_thread(scheduler: Scheduler, served_name: str, start_timeout: float = 30.0):
     """The app on uvicorn in a background thread of this process, on a free loopback port (tests,
     bench/serve_load.py): yields the base URL ``http://127.0.0.1:PORT``; on exit the server stops and
     the scheduler shuts down."""
-    import uvicorn
-    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, served_name), log_level="warning"))
+    server = http_server(create_app(scheduler, served_name))
     sock = socket.create_server(("127.0.0.1", 0))
     scheduler.start()
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
