@@ -110,17 +110,18 @@ def test_a_compiled_drafter_forward_reads_only_its_contexts_keys(drafter):
 
 
 def test_a_server_compiles_at_start_up_and_its_requests_compile_nothing(target, drafter):
-    """graft-serve --compile drafter: the warm-up compiles the graphs of a batch of one and of two,
-    so requests alone and together then run without compiling, equal to plain greedy; the warm-up
-    ran on a throwaway engine (the serving one has learnt nothing yet)."""
-    scheduler = Scheduler(target, drafter, "graft", GraftConfig(), 8, Metrics(), max_batch=2, max_model_len=256,
+    """graft-serve --compile drafter: the warm-up compiles the graphs of a batch of one, of two and
+    of the full pool (three here: its cache strides differ from a part's), so requests alone and
+    together then run without compiling, equal to plain greedy; the warm-up ran on a throwaway
+    engine (the serving one has learnt nothing yet)."""
+    scheduler = Scheduler(target, drafter, "graft", GraftConfig(), 8, Metrics(), max_batch=3, max_model_len=256,
                           compile="drafter")
     assert scheduler.warm_up() > 0
     assert scheduler.engine.draft_rates.n.sum() == 0 and scheduler.engine.drafter.step.compiled is not None
-    prompts = [encode_prompt(target, text, chat=True) for text in ("Name three colours.", "def add(a, b):")]
+    prompts = [encode_prompt(target, text, chat=True) for text in ("Name three colours.", "def add(a, b):", "Hi")]
     want = [graft_tk.decode(target, ids, max_new_tokens=12).tokens for ids in prompts]
     graphs = counters["stats"]["unique_graphs"]
-    for group in ([prompts[0]], prompts):       # alone, then two together
+    for group in ([prompts[0]], prompts[:2], prompts):       # alone, two together, a full pool
         requests = [scheduler.batch.add(ids, "graft", 12) for ids in group]
         while len(scheduler.batch):
             scheduler.batch.step()

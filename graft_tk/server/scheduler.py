@@ -166,8 +166,9 @@ class Scheduler:
 
     def warm_up(self) -> float:
         """Compile the step forwards before the first request (with ``compile``; else nothing):
-        a short decode alone, then two requests together when batches of two or more are served
-        (dynamo specialises a batch of one; the second graph takes every larger batch). It runs on
+        a short decode alone, then two requests together, then ``max_batch`` together (dynamo
+        specialises a batch of one; the second graph takes larger batches but the full pool, where
+        the KV cache's strides equal the batch's sizes, which that graph's guards exclude). It runs on
         a throwaway engine and batch of the serving ones' shapes: the graphs belong to the models
         and outlive them, and the serving engine's adjacency matrix and acceptance rates start
         clean. Returns the seconds it took."""
@@ -177,7 +178,7 @@ class Scheduler:
         engine = Engine(self.target, self.drafter, self.engine.config, compile=self.engine.compile)
         batch = Batch(engine, self.batch.max_batch, self.batch.policy, self.batch.hold, self.max_model_len)
         ids = self.target.tokenizer.encode(WARM_UP_PROMPT)
-        for size in sorted({1, min(2, batch.max_batch)}):
+        for size in sorted({1, min(2, batch.max_batch), batch.max_batch}):
             for _ in range(size):
                 batch.add(ids, self.method, WARM_UP_TOKENS)
             while len(batch):
