@@ -119,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.compile != "off":
         log = logging.getLogger("graft_tk.server")
+        if args.max_batch > 1:
+            log.warning("--compile with --max-batch %d: the warm-up compiles batches of 1, 2 and %d, but other "
+                        "shapes of a batch (its size, the tokens each row drafts) can still compile while serving, "
+                        "seconds to minutes each on a CPU (docs/roofline.md)", args.max_batch, args.max_batch)
         log.info("compiling %s step forwards before serving (minutes on a CPU the first time; inductor's cache "
                  "keeps them for the next start) ...", "the drafter's" if args.compile == "drafter" else "every")
         try:
