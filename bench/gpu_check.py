@@ -200,7 +200,7 @@ def run_decodes(cuda: bool) -> list[dict]:
                 for batch in (1, 4):
                     def run():
                         engine = Engine(target, drafter if method == "graft" else None, GraftConfig(), compile=compile)
-                        return decode_batch(engine, prompts[:batch], method, batch, new_tokens)
+                        return decode_batch(engine.batch(batch), prompts[:batch], method, new_tokens)
                     t0 = time.perf_counter()
                     run()                            # compiles
                     first_s = time.perf_counter() - t0

@@ -82,7 +82,7 @@ def measure_step_cost(target, drafter, config, compile: bool = False, context: i
     say("the rest of a step: a short decode")
     engine = Engine(target, drafter, config, compile=compile)
     prompt = target.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
-    _, stats = engine.generate(prompt, "graft" if drafter is not None else "retrieval", 24)
+    _, stats = engine.generate(engine.request(prompt, "graft" if drafter is not None else "retrieval", 24))
     split = stats["time_split"]
     # Acceptance runs in the decode's "verify" phase, with the forward: timed alone.
     step_ms = 1000 * (split["retrieve"] + split["commit"]) / max(stats["steps"], 1) + accept_ms(engine, repeats)
@@ -93,14 +93,15 @@ def accept_ms(engine, repeats: int) -> float:
     """Median milliseconds of the engine's choice + acceptance (with its M update) of a tree at its
     budget N (a chain of N nodes, random logits); what a step spends on it does not depend on the tokens."""
     device, n, vocab = engine.target.device, engine.config.budget, engine.target.config.vocab_size
+    table = engine.state.successors
     g = torch.Generator().manual_seed(0)
     tree = Tree.from_lists(torch.randint(vocab, (n,), generator=g).tolist(), list(range(-1, n - 1)), device=device)
     logits = torch.randn(1, n, vocab, generator=g).to(device)
-    adjacency = engine.adjacency.matrix.clone()
+    adjacency = table.successors.clone()
     mask, writes = tree.packed_mask()[None], torch.ones(1, dtype=torch.bool, device=device)
 
     def run():
         choice = logits.argmax(-1)
-        return engine.ops.accept(tree.tokens[None], tree.parents[None], tree.depth[None], mask, choice, logits,
+        return engine.runtime.ops.accept(tree.tokens[None], tree.parents[None], tree.depth[None], mask, choice, logits,
                                  adjacency, writes)
     return median_ms(run, device, repeats)

@@ -253,7 +253,7 @@ def run_batch(task: Task, method: str, config: GraftConfig | None, encoded: list
     engine = Engine(task.target, task.drafter if METHODS[method].drafts else None, config or GraftConfig())
     requests = [encoded[i % len(encoded)] for i in range(max(len(encoded), 2 * task.batch))]
     t = time.perf_counter()
-    results = decode_batch(engine, requests, method, task.batch, task.max_new_tokens,
+    results = decode_batch(engine.batch(task.batch), requests, method, task.max_new_tokens,
                            Sampling(task.temperature, task.top_p, task.seed))
     seconds = time.perf_counter() - t
     tokens = sum(len(out) for out, _ in results)
@@ -287,16 +287,16 @@ def learn_priors(target: Model, drafter: Model | Eagle3Head | None, method: str,
     """The pair's acceptance priors: one engine decodes ``prompts`` with ``config`` fixed (without
     its cost model: full trees at the budget, so every source and score bucket gets tried, where
     the adaptive policy may never try one), counting every step undecayed, and returns what the
-    counts support (``Engine.learnt_priors``)."""
+    counts support (``SpecState.learnt_priors``)."""
     config = dataclasses.replace(config, cost=None)
     engine = Engine(target, drafter if METHODS[method].drafts else None, config, compile=compile)
-    engine.set_decay(1.0)
+    engine.state.set_decay(1.0)
     for i, prompt in enumerate(prompts):
         if progress:
             progress(f"acceptance priors: prompt {i + 1}/{len(prompts)} ({prompt.id})")
         decode(target, encode_prompt(target, prompt.text, chat=True), method=method, engine=engine,
                max_new_tokens=max_new_tokens)
-    return engine.learnt_priors()
+    return engine.state.learnt_priors()
 
 
 def warm_start(task: Task, encoded: list[list[int]], n_prompts: int = 2) -> WarmStart:
@@ -309,7 +309,7 @@ def warm_start(task: Task, encoded: list[list[int]], n_prompts: int = 2) -> Warm
         for ids in encoded[:n_prompts]:
             engine = Engine(task.target, task.drafter if METHODS[method].drafts else None, base,
                             compile=task.compile)
-            engine.acceptance_log = log
+            engine.state.acceptance_log = log
             decode(task.target, ids, method=method, engine=engine, max_new_tokens=task.max_new_tokens)
     return suggest_tau(log, base.tau)
 

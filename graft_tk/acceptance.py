@@ -35,7 +35,7 @@ device in fixed shapes: reading the estimates and updating them never waits for 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -50,31 +50,55 @@ DECAY = 0.98
 
 
 @dataclass(frozen=True)
-class AcceptancePriors:
-    """What the rates start from, learnt on a model pair (``Engine.learnt_priors``): each rate with
-    the observations it counts as, from ``PRIOR_WEIGHT`` (nothing seen: the generic guess) up to
-    ``LEARNT_PRIOR_WEIGHT``."""
-    draft: tuple[float, ...]      # P(drafted path accepted) per score bucket, len(SCORE_EDGES) + 1, non-decreasing
-    retrieval: tuple[float, ...]  # P(accepted | parent accepted) by rank 0, 1, ... (the last repeats)
-    pld: tuple[float, ...]        # P(accepted | previous accepted) by matched n-gram length 1, 2, ... (the last repeats)
-    draft_weight: tuple[float, ...]
-    retrieval_weight: tuple[float, ...]
-    pld_weight: tuple[float, ...]
+class SourcePriors:
+    """Where one estimator's rates start: each rate with the observations it counts as, from
+    ``PRIOR_WEIGHT`` (nothing seen: the generic guess) up to ``LEARNT_PRIOR_WEIGHT``. What the
+    rates are indexed by is the estimator's own (score bucket, rank, n-gram length, ...)."""
+    rates: tuple[float, ...]
+    weights: tuple[float, ...]
 
     def __post_init__(self):
-        for name in ("draft", "retrieval", "pld"):
-            v = tuple(float(x) for x in getattr(self, name))
-            w = tuple(float(x) for x in getattr(self, name + "_weight"))
-            if not v or not all(0.0 < x <= 1.0 for x in v):
-                raise InputError(f"AcceptancePriors.{name} must be probabilities in (0, 1], got {v!r}")
-            if len(w) != len(v) or not all(PRIOR_WEIGHT <= x <= LEARNT_PRIOR_WEIGHT for x in w):
-                raise InputError(f"AcceptancePriors.{name}_weight must hold one weight in [{PRIOR_WEIGHT}, "
-                                 f"{LEARNT_PRIOR_WEIGHT}] per rate, got {w!r}")
-            object.__setattr__(self, name, v)
-            object.__setattr__(self, name + "_weight", w)
-        if len(self.draft) != len(SCORE_EDGES) + 1:
+        rates = tuple(float(x) for x in self.rates)
+        weights = tuple(float(x) for x in self.weights)
+        if not rates or not all(0.0 < x <= 1.0 for x in rates):
+            raise InputError(f"prior rates must be probabilities in (0, 1], got {rates!r}")
+        if len(weights) != len(rates) or not all(PRIOR_WEIGHT <= x <= LEARNT_PRIOR_WEIGHT for x in weights):
+            raise InputError(f"prior weights must hold one weight in [{PRIOR_WEIGHT}, {LEARNT_PRIOR_WEIGHT}] "
+                             f"per rate, got {weights!r}")
+        object.__setattr__(self, "rates", rates)
+        object.__setattr__(self, "weights", weights)
+
+    @classmethod
+    def of(cls, rates, weights) -> "SourcePriors":
+        """Rounded from learnt counts (rates clamped to [1e-4, 1])."""
+        return cls(tuple(round(min(max(float(x), 1e-4), 1.0), 6) for x in rates),
+                   tuple(round(float(x), 3) for x in weights))
+
+
+@dataclass(frozen=True)
+class AcceptancePriors:
+    """What the estimates start from, learnt on a model pair (``SpecState.learnt_priors``):
+    the drafter's P(accepted) per score bucket, and each grafted source's own, by source name
+    (a source without an entry starts from its generic guess)."""
+    draft: SourcePriors
+    sources: dict[str, SourcePriors] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.draft, dict):     # from a profile's JSON
+            object.__setattr__(self, "draft", SourcePriors(**self.draft))
+        if not isinstance(self.draft, SourcePriors):
+            raise InputError(f"AcceptancePriors.draft must be SourcePriors, got {type(self.draft).__name__}")
+        object.__setattr__(self, "sources", {name: SourcePriors(**p) if isinstance(p, dict) else p
+                                             for name, p in dict(self.sources).items()})
+        bad = [name for name, p in self.sources.items() if not isinstance(p, SourcePriors)]
+        if bad:
+            raise InputError(f"AcceptancePriors.sources[{bad[0]!r}] must be SourcePriors")
+        if len(self.draft.rates) != len(SCORE_EDGES) + 1:
             raise InputError(f"AcceptancePriors.draft needs {len(SCORE_EDGES) + 1} score buckets, got "
-                             f"{len(self.draft)}: relearn with graft-calibrate --cost-only")
+                             f"{len(self.draft.rates)}: relearn with graft-calibrate --cost-only")
+
+    def of(self, source: str) -> SourcePriors | None:
+        return self.sources.get(source)
 
 
 def lookup(values: tuple[float, ...], index: Tensor) -> Tensor:
@@ -123,15 +147,14 @@ class Rates:
 class DraftRates(Rates):
     """P(a drafted node's path is accepted) per drafter-score bucket, non-decreasing in the score."""
 
-    def __init__(self, priors: AcceptancePriors | None, device):
+    def __init__(self, priors: SourcePriors | None, device):
         self.edges = torch.tensor(SCORE_EDGES, device=device)
         if priors is None:
             mids = torch.tensor((SCORE_EDGES[0] - 1.0,) + tuple((a + b) / 2 for a, b in zip(SCORE_EDGES, SCORE_EDGES[1:]))
                                 + (SCORE_EDGES[-1] / 2,), device=device)
             super().__init__(mids.exp(), torch.full((len(SCORE_EDGES) + 1,), PRIOR_WEIGHT, device=device))
         else:
-            super().__init__(torch.tensor(priors.draft, device=device),
-                             torch.tensor(priors.draft_weight, device=device))
+            super().__init__(torch.tensor(priors.rates, device=device), torch.tensor(priors.weights, device=device))
 
     def rate(self) -> Tensor:
         return isotonic_fit(super().rate(), self.n + self.weight)

@@ -5,11 +5,12 @@ cache, of the drafter's and of the batch's context buffer. ``add`` prefills a re
 next free row; ``step`` runs ``graft_tk.step.decode_step`` for all of them (ONE target forward);
 a request that finishes leaves, and the last row moves into its place, so the active requests
 always fill rows [0, B) (continuous batching). One request is a batch of one: ``graft_tk.decode``
-and ``Engine.generate`` run exactly this.
+and ``Engine.generate`` run exactly this. A batch is made by ``Engine.batch`` from the engine's
+runtime (the models, the KV pool) and its learnt state.
 
 Requests of any methods and lengths share a batch: each row's tree draws on its method's sources
-only, every tree is verified at the step's budget N. The adjacency matrix and the acceptance
-rates are the Engine's, shared by every request and kept when they leave. The budget N, threshold
+only, every tree is verified at the step's budget N. What the sources learn (M, the acceptance
+rates) is the state's, shared by every request and kept when they leave. The budget N, threshold
 tau and depth D follow the batch size (``policy``, from ``graft-calibrate --batch B``; N = 1 is
 no speculation, D = 0 no drafting), held at the largest size of the last ``hold`` steps where
 requests come and go.
@@ -27,46 +28,50 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .config import GraftConfig
-from .drafting import drafter_cache_slots
 from .errors import InputError
-from .methods import Method, method as as_method
+from .methods import Method
+from .request import Request, RequestSpec
+from .runtime import Runtime
 from .sampling import Sampling
+from .state import SpecState
 from .stats import RequestStats
-from .step import Request, StepRecord, decode_step, prefill
+from .step import StepRecord, decode_step, prefill
 
 CONTEXT_MULTIPLE = 512   # the context buffer grows in steps of this many tokens (it is a shape of the step)
 
 
 class Batch:
-    """Up to ``max_batch`` requests decoding together with ``engine``'s models, sources and config."""
+    """Up to ``max_batch`` requests decoding together on ``runtime``'s models, learning into
+    ``state``, at ``config`` (the step config below every size of ``policy``)."""
 
-    def __init__(self, engine, max_batch: int = 1, policy: Mapping[int, GraftConfig] | None = None, hold: int = 0,
-                 max_len: int | None = None):
+    def __init__(self, runtime: Runtime, state: SpecState, config: GraftConfig, max_batch: int = 1,
+                 policy: Mapping[int, GraftConfig] | None = None, hold: int = 0, max_len: int | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InputError(f"max_batch must be an int >= 1, got {max_batch!r}")
-        context = engine.target.config.max_position_embeddings
+        context = runtime.target.config.max_position_embeddings
         if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int)
                                     or not 2 <= max_len <= context):
             raise InputError(f"max_len must be an int in [2, {context}] (the model's context), got {max_len!r}")
         # The budget policy by batch size (graft-calibrate --batch B): batch size -> the config whose
         # N, tau and D a step of that many requests uses (the nearest calibrated size at or below it;
-        # the engine's config below them all). A verify costs about B x N rows, so N falls as B
-        # grows; N = 1 turns speculation off at that size, D = 0 drafting.
+        # ``config`` below them all). A verify costs about B x N rows, so N falls as B grows; N = 1
+        # turns speculation off at that size, D = 0 drafting.
         self.policy = dict(sorted((policy or {}).items()))
         if any(not isinstance(b, int) or b < 1 for b in self.policy):
             raise InputError(f"policy keys must be batch sizes >= 1, got {sorted(self.policy)}")
         if isinstance(hold, bool) or not isinstance(hold, int) or hold < 0:
             raise InputError(f"hold must be an int >= 0 (steps), got {hold!r}")
-        self.engine, self.max_batch, self.hold = engine, max_batch, hold
+        self.runtime, self.state, self.config = runtime, state, config
+        self.max_batch, self.hold = max_batch, hold
         # The size a step plans for: the most requests of the last ``hold`` steps, at least the
         # requests in it (a server under steady load dips below B between one request's end and
         # the client's next; holding the plan keeps those steps from the small sizes' budgets).
         self._recent: deque[int] = deque(maxlen=max(hold, 1))
-        configs = [engine.config, *self.policy.values()]
+        configs = [config, *self.policy.values()]
         self.max_budget = max(c.budget for c in configs)
         self.max_depth = max(c.max_depth for c in configs)
         self.rows: list[Request] = []    # request i decodes in row i
-        self.context = torch.zeros(max_batch, 0, dtype=torch.long, device=engine.target.device)
+        self.context = torch.zeros(max_batch, 0, dtype=torch.long, device=runtime.device)
         self.last_step: StepRecord | None = None
         self.max_len = max_len
         if max_len is not None:
@@ -79,26 +84,33 @@ class Batch:
     def full(self) -> bool:
         return len(self.rows) >= self.max_batch
 
-    @torch.inference_mode()
     def add(self, ids: Sequence[int], method: str | Method, max_new_tokens: int, sampling: Sampling = Sampling(),
             on_tokens: Callable[[list[int]], bool | None] | None = None) -> Request:
+        """``admit`` a request given by its prompt ids, method, length limit and sampling."""
+        spec = RequestSpec.of(ids, method, max_new_tokens, sampling, self.runtime.target.config)
+        return self.admit(spec, on_tokens)
+
+    @torch.inference_mode()
+    def admit(self, spec: RequestSpec, on_tokens: Callable[[list[int]], bool | None] | None = None) -> Request:
         """Prefill a request into the next free row and return it; it decodes from the next ``step``
-        on (or is done already: its first token ended it, and it takes no row)."""
-        engine = self.engine
-        method = as_method(method)
-        ids = engine.check_request(ids, method, max_new_tokens)
+        on (or is done already: its first token ended it, and it takes no row). ``on_tokens`` is
+        called with each batch of committed tokens; True stops the request."""
+        method = spec.method
+        if method.drafts and self.runtime.drafter is None:
+            raise InputError(f"method {method.name!r} needs a drafter: pass drafter=load_model(...) (a small model "
+                             "with the same tokenizer, or the target's first layers via num_layers=L) or an EAGLE-3 "
+                             "head (load_eagle3(path, target))")
         if self.full:
             raise InputError(f"the batch is full ({self.max_batch} requests); step until one finishes")
-        tokens = len(ids) + max_new_tokens
-        if self.max_len is not None and tokens > self.max_len:
-            raise InputError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds this batch's "
-                             f"max_len of {self.max_len} tokens (graft-serve --max-model-len); shorten the prompt "
-                             "or lower max_new_tokens")
-        self._reserve(tokens if self.max_len is None else self.max_len)   # the pool: a no-op unless it was taken
-        request = Request(method, sampling.seeded(), max_new_tokens, on_tokens, len(ids),
-                          RequestStats(method.name, engine.ops.backend))
+        if self.max_len is not None and spec.tokens > self.max_len:
+            raise InputError(f"prompt of {len(spec.ids)} tokens + max_new_tokens={spec.max_new_tokens} exceeds this "
+                             f"batch's max_len of {self.max_len} tokens (graft-serve --max-model-len); shorten the "
+                             "prompt or lower max_new_tokens")
+        self.state.admit(method)
+        self._reserve(spec.tokens if self.max_len is None else self.max_len)   # the pool: a no-op unless it was taken
+        request = Request(spec, on_tokens, RequestStats(method.name, self.runtime.ops.backend))
         row = len(self.rows)
-        prefill(engine, row, list(ids), request, self.context[row], speculates=self.max_budget > 1,
+        prefill(self.runtime, self.state, row, request, self.context[row], speculates=self.max_budget > 1,
                 drafts=self.max_depth > 0)
         if not request.done:
             self.rows.append(request)
@@ -112,7 +124,8 @@ class Batch:
         size = len(self.rows)
         config = self.plan(max([size, *self._recent]) if self.hold else size)
         self._recent.append(size)
-        self.last_step = decode_step(self.engine, self.rows, self.context, config)
+        controller = self.state.controller([r.method for r in self.rows])
+        self.last_step = decode_step(self.runtime, self.state, controller, self.rows, self.context, config)
         finished = [r for r in self.rows if r.done]
         for r in finished:
             self._remove(r)
@@ -120,7 +133,7 @@ class Batch:
 
     def plan(self, size: int) -> GraftConfig:
         """The config whose N, tau and D a step of ``size`` requests uses, from the policy."""
-        config = self.engine.config
+        config = self.config
         for b, c in self.policy.items():
             if b <= size:
                 config = c
@@ -135,11 +148,8 @@ class Batch:
     def _reserve(self, tokens: int) -> None:
         """Every cache and the context with ``max_batch`` rows of room for a request of ``tokens``
         (prompt + new) and a step's tree after it; what rows hold is kept."""
-        engine = self.engine
+        self.runtime.kv.reserve(self.max_batch, tokens, self.max_budget, self.config.top_k, self.max_depth)
         room = tokens + self.max_budget + 1
-        engine.target.net.setup_cache(room, batch_size=self.max_batch)
-        if engine.drafter is not None:
-            engine.drafter.reserve(self.max_batch, drafter_cache_slots(tokens, engine.config.top_k, self.max_depth))
         if self.context.shape[1] < room:
             width = -(-room // CONTEXT_MULTIPLE) * CONTEXT_MULTIPLE
             grown = torch.full((self.max_batch, width), -1, dtype=torch.long, device=self.context.device)
@@ -150,22 +160,17 @@ class Batch:
         """Free ``request``'s row: the last row's request moves into it (its KV and context with it)."""
         row, last = self.rows.index(request), len(self.rows) - 1
         if row != last:
-            net = self.engine.target.net
-            net.kv[:, :, row] = net.kv[:, :, last]
+            self.runtime.kv.move(last, row)
             self.context[row] = self.context[last]
-            if self.engine.drafter is not None:
-                self.engine.drafter.move_row(last, row)
             self.rows[row] = self.rows[last]
         self.rows.pop()
 
 
-def decode_batch(engine, prompts: Sequence[Sequence[int]], method: str | Method, max_batch: int, max_new_tokens: int,
-                 sampling: Sampling = Sampling(), policy: Mapping[int, GraftConfig] | None = None
-                 ) -> list[tuple[list[int], dict]]:
-    """Decode token-id ``prompts`` with continuous batching, at most ``max_batch`` at a time (a
-    prompt joins as soon as a row is free): [(new tokens, stats)] in the prompts' order. A seed
-    in ``sampling`` is the first prompt's; prompt i gets seed + i."""
-    batch = Batch(engine, max_batch, policy)
+def decode_batch(batch: Batch, prompts: Sequence[Sequence[int]], method: str | Method, max_new_tokens: int,
+                 sampling: Sampling = Sampling()) -> list[tuple[list[int], dict]]:
+    """Decode token-id ``prompts`` in ``batch`` with continuous batching (a prompt joins as soon as
+    a row is free): [(new tokens, stats)] in the prompts' order. A seed in ``sampling`` is the
+    first prompt's; prompt i gets seed + i."""
     results: dict[int, tuple[list[int], dict]] = {}
     index: dict[int, int] = {}                   # id(request) -> prompt index
     pending = list(enumerate(prompts))

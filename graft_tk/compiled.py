@@ -37,6 +37,7 @@ cache in 15-40 s) and runs 1.3-1.4x faster, where the target's graphs would take
 from __future__ import annotations
 
 import dataclasses
+import enum
 import weakref
 
 import torch
@@ -53,17 +54,32 @@ from .models.transformer import Transformer
 _COMPILED: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()
 _GRAPHS_PER_CODE = 64
 PREFILL_CHUNK = 64    # tokens per compiled prefill chunk (one graph for every prompt length)
-COMPILE_SCOPES = ("off", "drafter", "on")   # what runs compiled: nothing, a drafter model, every step forward
+class Compile(enum.Enum):
+    """What runs compiled: nothing, a drafter model's step forwards, or every step forward."""
+    OFF = "off"
+    DRAFTER = "drafter"
+    ON = "on"
 
+    @classmethod
+    def of(cls, compile: "bool | str | Compile") -> "Compile":
+        """``compile`` as a scope: True is ON, False OFF, a string its value."""
+        if isinstance(compile, cls):
+            return compile
+        if isinstance(compile, bool):
+            return cls.ON if compile else cls.OFF
+        try:
+            return cls(compile)
+        except ValueError:
+            raise InputError(f"compile must be True, False or one of {', '.join(repr(c.value) for c in cls)}, "
+                             f"got {compile!r}") from None
 
-def compile_scope(compile: bool | str) -> str:
-    """``compile`` as one of COMPILE_SCOPES: True is "on", False "off"."""
-    if isinstance(compile, bool):
-        return "on" if compile else "off"
-    if compile not in COMPILE_SCOPES:
-        raise InputError(f"compile must be True, False or one of {', '.join(map(repr, COMPILE_SCOPES))}, "
-                         f"got {compile!r}")
-    return compile
+    @property
+    def target(self) -> bool:
+        return self is Compile.ON
+
+    @property
+    def drafter(self) -> bool:
+        return self is not Compile.OFF
 
 
 def compiled_forward(net: Transformer, dynamic: bool = False):

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import torch
 
 from .backend import resolve_backend
-from .compiled import compile_scope
+from .compiled import Compile
 from .config import GraftConfig
 from .engine import Engine
 from .errors import InputError
@@ -16,6 +16,8 @@ from .methods import Method, method as as_method
 from .models import Model
 from .models.eagle3 import Eagle3Head
 from .profiles import find_profile
+from .runtime import check_drafter
+from .request import RequestSpec
 from .sampling import Sampling
 
 
@@ -77,50 +79,24 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
     if engine is not None:
         if engine.target is not target:
             raise InputError(f"engine was built for {engine.target.name}, not {target.name}; pass the same target")
-        if backend != "auto" and resolve_backend(backend, target.device) != engine.ops.backend:
-            raise InputError(f"engine runs the {engine.ops.backend} backend, not {backend!r}; build "
+        if backend != "auto" and resolve_backend(backend, target.device) != engine.runtime.ops.backend:
+            raise InputError(f"engine runs the {engine.runtime.ops.backend} backend, not {backend!r}; build "
                              f"Engine(..., backend={backend!r}) or leave backend='auto'")
-        if compile_scope(compile) not in ("off", engine.compile):
-            raise InputError(f"the engine was built with compile={engine.compile!r}; build "
+        if Compile.of(compile) not in (Compile.OFF, engine.runtime.compile):
+            raise InputError(f"the engine was built with compile={engine.runtime.compile.value!r}; build "
                              f"Engine(..., compile={compile!r})")
         drafter, config = engine.drafter_model, engine.config
-    check_drafter(target, drafter)
+    else:
+        check_drafter(target, drafter)
     config, config_source = resolve_config(target, drafter, m, config, engine)
-    sampling = Sampling(temperature, top_p, seed).seeded()
-    ids = encode_prompt(target, prompt, chat)
+    spec = RequestSpec.of(encode_prompt(target, prompt, chat), m, max_new_tokens, Sampling(temperature, top_p, seed),
+                          target.config)
     engine = engine or Engine(target, drafter if m.drafts else None, config, backend, compile=compile)
-    tokens, stats = engine.generate(ids, m, max_new_tokens, sampling, on_tokens)
+    tokens, stats = engine.generate(spec, on_tokens)
     if m.speculates:
         stats["config"] = dataclasses.asdict(engine.config)
-    stats.update(config_source=config_source, compile=engine.compile, seed=sampling.seed)
+    stats.update(config_source=config_source, compile=engine.runtime.compile.value, seed=spec.sampling.seed)
     return DecodeResult(tokens=tokens, text=target.tokenizer.decode(tokens), stats=stats)
-
-
-def check_drafter(target: Model, drafter) -> None:
-    """A drafter must be a Model sharing the target's tokenizer, or an EAGLE-3 head built for this target."""
-    if drafter is None:
-        return
-    if isinstance(drafter, Eagle3Head):
-        c = drafter.config
-        problems = []
-        if c.vocab_size != target.config.vocab_size:
-            problems.append(f"vocab {c.vocab_size} vs the target's {target.config.vocab_size}")
-        if c.target_hidden_size != target.config.dim:
-            problems.append(f"target hidden size {c.target_hidden_size} vs the target's {target.config.dim}")
-        if not all(0 <= i < target.config.n_layers for i in c.target_layers):
-            problems.append(f"target layers {c.target_layers} vs the target's {target.config.n_layers} layers")
-        if drafter.lm_head.weight.device != target.device:
-            problems.append(f"device {drafter.lm_head.weight.device} vs the target's {target.device}")
-        if problems:
-            raise InputError(f"the EAGLE-3 head was not built for {target.name}: {'; '.join(problems)}; "
-                             "load a head trained for this target (load_eagle3(path, target))")
-        return
-    if not isinstance(drafter, Model):
-        raise InputError(f"drafter must be a Model (load_model) or an EAGLE-3 head (load_eagle3), "
-                         f"got {type(drafter).__name__}")
-    if drafter.config.vocab_size != target.config.vocab_size:
-        raise InputError(f"drafter {drafter.name} has vocab {drafter.config.vocab_size}, target {target.name} has "
-                         f"{target.config.vocab_size}; the drafter must share the target's tokenizer")
 
 
 def resolve_config(target: Model, drafter: Model | Eagle3Head | None, method: Method, config: GraftConfig | None,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -82,6 +82,7 @@ def drafter_cache_slots(tokens: int, top_k: int, max_depth: int) -> int:
     return tokens + top_k * max_depth + 2
 
 
+@runtime_checkable
 class Drafter(Protocol):
     """What the step needs from a drafter (see the module docstring). Rows are batch rows."""
     net: nn.Module

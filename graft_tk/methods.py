@@ -21,7 +21,14 @@ from dataclasses import dataclass
 
 from .errors import InputError
 
-SOURCES = ("draft", "adjacency", "prompt_lookup", "suffix")
+# The names methods may use: the drafter and the grafted sources (``graft_tk.sources.register``
+# adds one from outside the package).
+SOURCES = ["draft", "adjacency", "prompt_lookup", "suffix"]
+
+
+def add_source_name(name: str) -> None:
+    if name not in SOURCES:
+        SOURCES.append(name)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,21 @@
-"""Drafting depth and verify width chosen per step by expected gain (a request alone, with a cost model).
+"""What a step does, decided per step: the step controllers.
+
+A ``StepController`` turns the batch's config into a ``StepPlan`` (the verify budget N, which rows
+draft, each row's pruning threshold, the drafter's depth and width), may narrow the verify once
+the tree is built (``width``), and learns from the step's ``Observation``. The base class is the
+fixed plan (the config as it is: no host read, no learning); ``Controllers`` chains several.
+``graft_tk.state.SpecState.controller`` chooses the controllers of a batch:
+
+* ``StepPolicy`` (below): drafting, its depth and the verify's width by expected gain per
+  millisecond, with the device's cost model;
+* ``DraftGate`` (below): no drafting where the free sources already propose what the drafter would;
+* the batch-size policy, N, tau and D by the number of requests in flight, is a choice of config
+  (``graft_tk.batch.Batch.plan``), planned by these like any other.
+
+Both learning controllers steer a request decoding alone: their rates are the request's, and at
+several requests a step's gain and cost are the batch's (serving chooses by batch size instead).
+
+``StepPolicy``: drafting depth and verify width chosen per step by expected gain (with a cost model).
 
 A decode wants the most tokens per millisecond, R = E[tokens per step] / E[ms per step].
 Dinkelbach's rule turns that ratio into per-step decisions: with R the rate reached so far,
@@ -32,22 +49,108 @@ output stays exactly that of plain decoding (and sampling stays exact).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
+from typing import Sequence
 
-from .config import verifiable
+from torch import Tensor
+
+from .acceptance import SCORE_EDGES
+from .config import GraftConfig, verifiable
 from .cost import StepCost
+from .counters import host_read
+from .methods import Method
 
 RATE_DECAY = 0.95
 PRIOR_STEPS = 4.0   # plain decoding's rate, and one accepted drafted node per step, weigh this many steps at first
 EXPLORE_EVERY = 8   # draft at least once in this many steps
 
 
-class StepPolicy:
-    """Drafting, its depth threshold and the verify's width per step (see the module docstring);
-    lives as long as its engine."""
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step does, per row of the batch (host values, decided before the target's forward)."""
+    budget: int                   # N: nodes verified per row, root included (1: plain decoding)
+    drafts: tuple[bool, ...]      # each row runs the drafter this step
+    log_tau: tuple[float, ...]    # each row's pruning threshold on drafter scores (-inf: never prunes)
+    depth: int                    # drafter forwards after the first, at most (its depths)
+    top_k: int                    # K: children per expanded node, the frontier's width
 
-    def __init__(self, cost: StepCost, top_k: int, budget: int = 16):
-        self.cost = cost
+    @classmethod
+    def fixed(cls, methods: Sequence[Method], config: GraftConfig) -> "StepPlan":
+        """The config as it is, for rows of these methods: N = budget when any row speculates;
+        drafts no deeper or wider than N nodes can verify."""
+        N = config.budget if any(m.speculates for m in methods) else 1
+        return cls(N, tuple(m.drafts and N > 1 for m in methods),
+                   tuple(math.log(config.tau) if m.prune else -math.inf for m in methods),
+                   verifiable(config.max_depth, N), verifiable(config.top_k, N))
+
+    @property
+    def drafting(self) -> bool:
+        return any(self.drafts) and self.depth > 0
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a step did, summed over its rows, for the controllers to learn from."""
+    committed: int                # tokens committed
+    seconds: float                # its wall time
+    verified: int                 # nodes per row the verify held
+    draft_widths: tuple[int, ...]  # tokens per row in each drafter forward
+    drafted: bool                 # the drafter ran
+    drafted_accepted: int         # drafted nodes accepted
+    drafted_verified: int         # drafted nodes verified
+    draft_rates: list[float] | None = None   # the drafter's rates by score bucket, when asked for
+
+
+class StepController:
+    """The fixed plan; a controller overrides what it decides. ``free`` [B] (on the device, None
+    when no source gives one): the tokens the candidates proposed before drafting are expected to
+    get accepted; reading it is a host read, so only a controller that uses it reads it."""
+    wants_draft_rates = False     # the step's host read brings it ``Observation.draft_rates``
+
+    def plan(self, plan: StepPlan, free: Tensor | None) -> StepPlan:
+        return plan
+
+    def width(self, plan: StepPlan, values: Tensor) -> int:
+        """Nodes to verify of the tree built at N (``values`` [B, N], each node's estimated log P(on
+        the accepted path), root first): N keeps it."""
+        return plan.budget
+
+    def observe(self, plan: StepPlan, seen: Observation) -> None:
+        pass
+
+
+class Controllers(StepController):
+    """Several controllers in turn: each refines the plan the one before left; the narrowest width."""
+
+    def __init__(self, *parts: StepController):
+        self.parts = parts
+        self.wants_draft_rates = any(p.wants_draft_rates for p in parts)
+
+    def plan(self, plan: StepPlan, free: Tensor | None) -> StepPlan:
+        for p in self.parts:
+            plan = p.plan(plan, free)
+        return plan
+
+    def width(self, plan: StepPlan, values: Tensor) -> int:
+        return min(p.width(plan, values) for p in self.parts) if self.parts else plan.budget
+
+    def observe(self, plan: StepPlan, seen: Observation) -> None:
+        for p in self.parts:
+            p.observe(plan, seen)
+
+
+class StepPolicy(StepController):
+    """Drafting, its depth threshold and the verify's width per step (see the module docstring);
+    lives as long as its state. ``draft_rates``: the drafter's rates by score bucket to start
+    from (host floats, refreshed by every step it steers); ``fixed_width``: the verify keeps N (a
+    compiled target: every new width would compile a graph)."""
+    wants_draft_rates = True
+
+    def __init__(self, cost: StepCost, top_k: int, budget: int = 16, draft_rates: list[float] | None = None,
+                 fixed_width: bool = False):
+        self.cost, self.draft_rates, self.fixed_width = cost, draft_rates, fixed_width
         self.top_k = max(verifiable(top_k, budget), 1)     # as wide as the step drafts
         n = min(budget, len(cost.verify_ms))
         # what one more verified node costs: the verify curve's mean slope up to N (~0 where flat)
@@ -94,8 +197,27 @@ class StepPolicy:
                 best_n, best = n, gain - rate * verify[n - 1]
         return best_n
 
-    def observe(self, committed: int, verified: int, draft_widths: tuple[int, ...], drafted: bool,
-                drafted_accepted: int, drafted_verified: int = 0) -> None:
+    # ---------------------------------------------------------------- as a step controller
+    def plan(self, plan: StepPlan, free: Tensor | None) -> StepPlan:
+        """Each pruning row's threshold from the cost of a drafter forward; no drafting when it does not pay."""
+        log_tau = tuple(t if t == -math.inf else self.depth_log_tau(self.draft_rates, SCORE_EDGES, t)
+                        for t in plan.log_tau)
+        drafts = plan.drafts if self.should_draft() else (False,) * len(plan.drafts)
+        return dataclasses.replace(plan, log_tau=log_tau, drafts=drafts)
+
+    def width(self, plan: StepPlan, values: Tensor) -> int:
+        if self.fixed_width:
+            return plan.budget
+        return self.verify_width(host_read(values[0, 1:].sort(descending=True).values))   # one host read
+
+    def observe(self, plan: StepPlan, seen: Observation) -> None:
+        if seen.draft_rates is not None:
+            self.draft_rates = seen.draft_rates
+        self.count(seen.committed, seen.verified, seen.draft_widths, seen.drafted, seen.drafted_accepted,
+                   seen.drafted_verified)
+
+    def count(self, committed: int, verified: int, draft_widths: tuple[int, ...], drafted: bool,
+              drafted_accepted: int, drafted_verified: int = 0) -> None:
         """Count a step: tokens committed, nodes verified, the widths of the drafter forwards it
         is charged for, whether it drafted, how many drafted nodes were accepted and verified."""
         c = self.cost
@@ -110,7 +232,7 @@ class StepPolicy:
             self.drafting_ms = RATE_DECAY * self.drafting_ms + drafting_ms + self.row_ms * drafted_verified
 
 
-class DraftGate:
+class DraftGate(StepController):
     """Draft less where the free sources already propose: whether a request decoding alone runs
     the drafter this step. Two situations are told apart by ``free``, the tokens prompt lookup's
     chain is expected to have accepted (from its acceptance estimates): a match (>= ``MATCH``) or
@@ -129,6 +251,19 @@ class DraftGate:
         self.seconds = [[0.0, 0.0], [0.0, 0.0]]
         self.since = [0, 0]          # steps of each situation since the arm not taken was tried
         self._last = 0
+        self._asked = False          # this step's plan asked the gate
+
+    # ---------------------------------------------------------------- as a step controller
+    def plan(self, plan: StepPlan, free: Tensor | None) -> StepPlan:
+        """Row 0 (the request decoding alone) drafts or not by the free sources' signal (one host read)."""
+        self._asked = free is not None and plan.budget > 1 and plan.drafts[0]
+        if not self._asked:
+            return plan
+        return dataclasses.replace(plan, drafts=(self.drafts(host_read(free)[0]),) + plan.drafts[1:])
+
+    def observe(self, plan: StepPlan, seen: Observation) -> None:
+        if self._asked:
+            self.count(seen.committed, seen.seconds, seen.drafted)
 
     def drafts(self, free: float) -> bool:
         k = self._last = int(free >= self.MATCH)
@@ -144,7 +279,7 @@ class DraftGate:
             return not best
         return best
 
-    def observe(self, committed: int, seconds: float, drafted: bool) -> None:
+    def count(self, committed: int, seconds: float, drafted: bool) -> None:
         k, d = self._last, int(drafted)       # the situation of the last ``drafts`` call
         self.tokens[k][d] = RATE_DECAY * self.tokens[k][d] + committed
         self.seconds[k][d] = RATE_DECAY * self.seconds[k][d] + seconds

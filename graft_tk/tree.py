@@ -48,8 +48,19 @@ DRAFT = 1
 RETRIEVAL = 2
 PROMPT_LOOKUP = 3
 SUFFIX = 4
+# code -> name in stats; a source registered from outside the package gets the next code
+# (``graft_tk.sources.register``). int8 codes: 127 at most.
 SOURCE_NAMES = {ROOT: "root", DRAFT: "draft", RETRIEVAL: "retrieval", PROMPT_LOOKUP: "prompt_lookup",
                 SUFFIX: "suffix"}
+
+
+def add_source_code(name: str) -> int:
+    """A new source's node code, named ``name`` in stats."""
+    code = max(SOURCE_NAMES) + 1
+    if code > 127:
+        raise ValueError("no source code left (int8)")
+    SOURCE_NAMES[code] = name
+    return code
 
 _DTYPES = {"tokens": torch.int64, "parents": torch.int32, "depth": torch.int32,
            "source": torch.int8, "scores": torch.float32}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import graft_tk
-from graft_tk.batch import Batch, decode_batch
+from graft_tk.batch import decode_batch
 from graft_tk.config import GraftConfig
 from graft_tk.engine import Engine
 from graft_tk.errors import InputError
@@ -68,8 +68,8 @@ def test_a_batch_on_the_triton_backend_gives_the_torch_backends_tokens(pair):
     build_tree, accept and the KV moves, kernels against references; greedy and seeded sampling."""
     target, drafter = pair
     for sampling in (Sampling(), Sampling(0.9, 0.95, 3)):
-        got = {backend: [t for t, _ in decode_batch(Engine(target, drafter, CONFIG, backend=backend), PROMPTS,
-                                                    "graft+pld", 4, 10, sampling)]
+        got = {backend: [t for t, _ in decode_batch(Engine(target, drafter, CONFIG, backend=backend).batch(4),
+                                                    PROMPTS, "graft+pld", 10, sampling)]
                for backend in ("torch", "triton")}
         assert got["triton"] == got["torch"]
         want = [graft_tk.decode(target, p, max_new_tokens=10, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -82,7 +82,7 @@ def step_counters(target, drafter, method: str, rows: int, steps: int = 3):
     """The counters of the first ``steps`` steps of ``rows`` requests decoding together on the
     Triton backend, torch ops counted."""
     engine = Engine(target, drafter, CONFIG, backend="triton", count_torch_ops=True)
-    batch = Batch(engine, max_batch=rows)
+    batch = engine.batch(rows)
     with torch.inference_mode():
         for ids in PROMPTS[:rows]:
             batch.add(ids, method, 32)

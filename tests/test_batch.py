@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import graft_tk
-from graft_tk.batch import Batch, decode_batch
+from graft_tk.batch import decode_batch
 from graft_tk.bench.prompts import load_prompts
 from graft_tk.config import GraftConfig
 from graft_tk.decode import encode_prompt
@@ -31,7 +31,7 @@ def ar_alone(smollm2, prompts):
 
 def test_requests_join_and_leave_between_steps(smollm2, self_drafter, prompts, ar_alone):
     """A short request leaves row 0; the long one moves into it with its KV; a third joins row 1."""
-    batch = Batch(Engine(smollm2, self_drafter), max_batch=2)
+    batch = Engine(smollm2, self_drafter).batch(2)
     with torch.inference_mode():
         short = batch.add(prompts[0], "graft", max_new_tokens=3)
         long = batch.add(prompts[1], "graft", max_new_tokens=24)
@@ -56,22 +56,21 @@ def test_a_policy_budget_above_the_engines_is_served(smollm2, self_drafter, prom
     buffer (sized by the engine's N): the whole batch failed. Each request is sized for the
     largest budget a step may verify."""
     engine = Engine(smollm2, self_drafter, GraftConfig(budget=8))
-    got = decode_batch(engine, prompts[:2], "graft+pld", max_batch=2, max_new_tokens=24,
-                       policy={1: GraftConfig(budget=32)})
+    got = decode_batch(engine.batch(2, policy={1: GraftConfig(budget=32)}), prompts[:2], "graft+pld", 24)
     assert [tokens for tokens, _ in got] == ar_alone[:2]
 
 
 def test_bad_batches_are_clear_errors(smollm2, self_drafter, prompts):
     engine = Engine(smollm2, self_drafter)
     with pytest.raises(InputError, match="max_batch must be an int >= 1"):
-        Batch(engine, 0)
+        engine.batch(0)
     with pytest.raises(InputError, match="policy keys must be batch sizes"):
-        Batch(engine, 2, policy={0: GraftConfig()})
+        engine.batch(2, policy={0: GraftConfig()})
     with pytest.raises(InputError, match="hold"):
-        Batch(engine, 2, hold=-1)
+        engine.batch(2, hold=-1)
     with pytest.raises(InputError, match="max_len must be an int"):
-        Batch(engine, 2, max_len=smollm2.config.max_position_embeddings + 1)
-    batch = Batch(Engine(smollm2), 2)
+        engine.batch(2, max_len=smollm2.config.max_position_embeddings + 1)
+    batch = Engine(smollm2).batch(2)
     with pytest.raises(InputError, match="unknown method"):
         batch.add(prompts[0], "nope", 4)
     with pytest.raises(InputError, match="needs a drafter"):
@@ -82,7 +81,7 @@ def test_bad_batches_are_clear_errors(smollm2, self_drafter, prompts):
 def test_a_fixed_pool_is_made_once_and_refuses_longer_requests(smollm2, self_drafter, prompts, ar_alone):
     """With max_len the caches are one pool made with the batch: requests decode in it as before, a
     longer one is refused, and the pool's storage never changes."""
-    batch = Batch(Engine(smollm2, self_drafter), max_batch=2, max_len=len(prompts[1]) + 24)
+    batch = Engine(smollm2, self_drafter).batch(2, max_len=len(prompts[1]) + 24)
     kv = smollm2.net.kv
     with torch.inference_mode():
         with pytest.raises(InputError, match="max_len of"):
@@ -97,7 +96,7 @@ def test_a_fixed_pool_is_made_once_and_refuses_longer_requests(smollm2, self_dra
 def test_the_budget_follows_the_batch_size(smollm2, self_drafter, prompts, ar_alone):
     """Policy {1: N = 12, 2: N = 4}: a step of two requests verifies 4 nodes each, a step of one 12."""
     policy = {1: GraftConfig(budget=12), 2: GraftConfig(budget=4, tau=0.2)}
-    batch = Batch(Engine(smollm2, self_drafter), max_batch=2, policy=policy)
+    batch = Engine(smollm2, self_drafter).batch(2, policy=policy)
     assert batch.plan(1).budget == 12 and batch.plan(2).budget == 4 and batch.plan(8).budget == 4
     a = batch.add(prompts[0], "graft", max_new_tokens=6)
     b = batch.add(prompts[1], "graft", max_new_tokens=24)
@@ -115,7 +114,7 @@ def test_batched_drafting_grows_the_trees_a_request_grows_alone(smollm2, self_dr
     accepted paths; "tree": no retrieval or estimates shared between them)."""
     alone = [graft_tk.decode(smollm2, ids, drafter=self_drafter, method="tree", max_new_tokens=24).stats["per_step"]
              for ids in prompts[:2]]
-    got = decode_batch(Engine(smollm2, self_drafter), prompts[:2], "tree", max_batch=2, max_new_tokens=24)
+    got = decode_batch(Engine(smollm2, self_drafter).batch(2), prompts[:2], "tree", 24)
     for (_, stats), ref in zip(got, alone):
         assert stats["per_step"]["committed"] == ref["committed"]
         assert stats["per_step"]["drafter_forwards"] == ref["drafter_forwards"]
@@ -125,7 +124,7 @@ def test_speculation_off_at_a_batch_size_and_back_on(smollm2, self_drafter, prom
     """Policy {2: N = 1}: while two requests share the batch they decode plainly (no drafting, one
     token per step); alone again, the long one speculates, its drafter catching up on the tokens it
     missed. Both equal their `ar` decodes."""
-    batch = Batch(Engine(smollm2, self_drafter), max_batch=2, policy={2: GraftConfig(budget=1)})
+    batch = Engine(smollm2, self_drafter).batch(2, policy={2: GraftConfig(budget=1)})
     a = batch.add(prompts[0], "graft", max_new_tokens=6)
     b = batch.add(prompts[1], "graft", max_new_tokens=24)
     while len(batch):
@@ -142,15 +141,15 @@ def test_a_batch_that_never_speculates_skips_the_drafters_pass_and_ms_warm_up(sm
     """Every config at N = 1 (what graft-calibrate --cost-only writes where a verify row costs a
     forward): no prefill work for speculation. With D = 0 only the drafter's pass is skipped."""
     engine = Engine(smollm2, self_drafter, GraftConfig(budget=1))
-    monkeypatch.setattr(engine.drafter, "start", lambda *a: pytest.fail("drafter prefilled"))
-    batch = Batch(engine, max_batch=1)
+    monkeypatch.setattr(engine.runtime.drafter, "start", lambda *a: pytest.fail("drafter prefilled"))
+    batch = engine.batch(1)
     a = batch.add(prompts[0], "graft", max_new_tokens=12)
-    assert (engine.adjacency.matrix == -1).all()        # M not warmed from the prompt
+    assert (engine.state.source("adjacency").matrix == -1).all()        # M not warmed from the prompt
     while len(batch):
         batch.step()
     assert a.out == ar_alone[0][:12]
-    warm = Batch(Engine(smollm2, self_drafter, GraftConfig(budget=4, max_depth=0)), max_batch=1)
-    monkeypatch.setattr(warm.engine.drafter, "start", lambda *a: pytest.fail("drafter prefilled"))
+    warm = Engine(smollm2, self_drafter, GraftConfig(budget=4, max_depth=0)).batch(1)
+    monkeypatch.setattr(warm.runtime.drafter, "start", lambda *a: pytest.fail("drafter prefilled"))
     b = warm.add(prompts[0], "graft", max_new_tokens=12)
     while len(warm):
         warm.step()
@@ -161,7 +160,7 @@ def test_no_drafting_at_a_batch_size_then_drafting_again(smollm2, self_drafter, 
     """Policy {2: N = 4, D = 0}: while two requests share the batch they speculate without the
     drafter (retrieval only: no drafter forward, 4-node trees); alone again, the long one drafts,
     its drafter catching up on what it missed. Both equal their `ar` decodes."""
-    batch = Batch(Engine(smollm2, self_drafter), max_batch=2, policy={2: GraftConfig(budget=4, max_depth=0)})
+    batch = Engine(smollm2, self_drafter).batch(2, policy={2: GraftConfig(budget=4, max_depth=0)})
     a = batch.add(prompts[0], "graft", max_new_tokens=6)
     b = batch.add(prompts[1], "graft", max_new_tokens=24)
     while len(batch):
@@ -175,7 +174,7 @@ def test_no_drafting_at_a_batch_size_then_drafting_again(smollm2, self_drafter, 
 def test_the_plan_holds_the_largest_size_of_the_last_steps(smollm2, self_drafter, prompts, ar_alone):
     """hold = 3: after one of two requests leaves, the other keeps the two-request plan (here no
     speculation) for three more steps, then speculates at its own size."""
-    batch = Batch(Engine(smollm2, self_drafter), max_batch=2, policy={2: GraftConfig(budget=1)}, hold=3)
+    batch = Engine(smollm2, self_drafter).batch(2, policy={2: GraftConfig(budget=1)}, hold=3)
     a = batch.add(prompts[0], "graft", max_new_tokens=6)
     b = batch.add(prompts[1], "graft", max_new_tokens=24)
     budgets = []

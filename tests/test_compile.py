@@ -71,13 +71,13 @@ def test_a_compiled_batch_equals_each_request_alone(target, drafter):
     """The compiled step forwards serve a batch of ragged rows (one graph per batch shape)."""
     prompts = [encode_prompt(target, text, chat=True) for text in ("Name three colours.", "def add(a, b):")]
     want = [graft_tk.decode(target, ids, max_new_tokens=12).tokens for ids in prompts]
-    got = decode_batch(Engine(target, drafter, GraftConfig(), compile=True), prompts, "graft+pld", 2, 12)
+    got = decode_batch(Engine(target, drafter, GraftConfig(), compile=True).batch(2), prompts, "graft+pld", 12)
     assert [tokens for tokens, _ in got] == want
 
 
 def test_compile_drafter_compiles_only_the_drafter_and_equals_ar(target, drafter):
     engine = Engine(target, drafter, GraftConfig(), compile="drafter")
-    assert engine.target_step.compiled is None and engine.drafter.step.compiled is not None
+    assert engine.runtime.target_step.compiled is None and engine.runtime.drafter.step.compiled is not None
     ids = encode_prompt(target, "def add(a, b):", chat=True)
     want = graft_tk.decode(target, ids, max_new_tokens=16).tokens
     got = graft_tk.decode(target, ids, drafter=drafter, method="graft", engine=engine, max_new_tokens=16,
@@ -117,7 +117,7 @@ def test_a_server_compiles_at_start_up_and_its_requests_compile_nothing(target, 
     scheduler = Scheduler(target, drafter, "graft", GraftConfig(), 8, Metrics(), max_batch=3, max_model_len=256,
                           compile="drafter")
     assert scheduler.warm_up() > 0
-    assert scheduler.engine.draft_rates.n.sum() == 0 and scheduler.engine.drafter.step.compiled is not None
+    assert scheduler.engine.state.draft_rates.n.sum() == 0 and scheduler.engine.runtime.drafter.step.compiled is not None
     prompts = [encode_prompt(target, text, chat=True) for text in ("Name three colours.", "def add(a, b):", "Hi")]
     want = [graft_tk.decode(target, ids, max_new_tokens=12).tokens for ids in prompts]
     graphs = counters["stats"]["unique_graphs"]

@@ -77,8 +77,8 @@ def test_each_draft_reads_the_target_features_of_all_committed_tokens(smollm2, h
     """The incremental head (features kept from the prefill and each verify's accepted rows) gives the
     root the same distribution as the head run from scratch over target features of the whole context."""
     ids = encode_prompt(smollm2, "Count from one to twenty: one, two, three,", chat=True)
-    engine = Engine(smollm2, head, CONFIG)
-    engine.drafter = rec = _Recording(head)
+    rec = _Recording(head)
+    engine = Engine(smollm2, rec, CONFIG)
     r = graft_tk.decode(smollm2, ids, method="graft", max_new_tokens=20, engine=engine)
     assert len(rec.steps) >= 2 and r.stats["mat"] > 1    # retrieval / prompt lookup got tokens accepted
     net, layers = smollm2.net, head.target_layers
@@ -151,6 +151,6 @@ def test_requests_drafting_with_an_eagle3_head_share_a_batch(smollm2, head):
     prompts = [encode_prompt(smollm2, t, chat=True) for t in ("Name three colours.", "def fib(n):",
                                                                "Count from one to twenty: one, two,")]
     want = [graft_tk.decode(smollm2, ids, max_new_tokens=12).tokens for ids in prompts]
-    got = decode_batch(Engine(smollm2, head, CONFIG), prompts, "graft+pld", 3, 12)
+    got = decode_batch(Engine(smollm2, head, CONFIG).batch(3), prompts, "graft+pld", 12)
     assert [tokens for tokens, _ in got] == want
     assert sum(s["nodes_by_source"].get("draft", 0) for _, s in got) > 0

@@ -13,7 +13,7 @@ import torch
 
 import graft_tk
 from graft_tk.adjacency import new_adjacency, update_adjacency
-from graft_tk.batch import Batch, decode_batch
+from graft_tk.batch import decode_batch
 from graft_tk.config import GraftConfig
 from graft_tk.decode import encode_prompt
 from graft_tk.engine import Engine
@@ -59,7 +59,7 @@ def ragged(smollm2):
 def test_a_batch_of_four_ragged_prompts_equals_each_alone(smollm2, self_drafter, ragged, method):
     """B = 4, prompts of different lengths in one step: every row's tokens are its plain decode."""
     prompts, ref = ragged
-    got = decode_batch(Engine(smollm2, self_drafter), prompts, method, max_batch=4, max_new_tokens=20)
+    got = decode_batch(Engine(smollm2, self_drafter).batch(4), prompts, method, 20)
     assert [tokens for tokens, _ in got] == ref, method
     for (tokens, stats), want in zip(got, ref):
         assert stats["tokens"] == len(want) and stats["steps"] >= 1
@@ -68,7 +68,7 @@ def test_a_batch_of_four_ragged_prompts_equals_each_alone(smollm2, self_drafter,
 def test_methods_mix_in_one_batch(smollm2, self_drafter, ragged):
     """Rows of different methods share every step: each row's tree draws on its own sources."""
     prompts, ref = ragged
-    batch = Batch(Engine(smollm2, self_drafter), max_batch=4)
+    batch = Engine(smollm2, self_drafter).batch(4)
     with torch.inference_mode():
         rows = [batch.add(p, m, 20) for p, m in zip(prompts, ["ar", "graft", "pld", "tree+pld"])]
         while len(batch):
@@ -89,8 +89,7 @@ def test_seeded_sampling_is_plain_sampling_for_every_method_and_batch(smollm2, s
     for method in ("graft+pld", "tree", "retrieval"):
         got = graft_tk.decode(smollm2, prompts[0], drafter=self_drafter, method=method, seed=100, **kw)
         assert got.tokens == alone[0], method
-        batched = decode_batch(Engine(smollm2, self_drafter), prompts, method, max_batch=4, max_new_tokens=16,
-                               sampling=Sampling(0.8, 0.9, 100))
+        batched = decode_batch(Engine(smollm2, self_drafter).batch(4), prompts, method, 16, Sampling(0.8, 0.9, 100))
         assert [tokens for tokens, _ in batched] == alone, method
 
 
@@ -145,9 +144,9 @@ def test_budget_one_degenerates_to_ar(smollm2, self_drafter):
 
 def test_engine_keeps_the_adjacency_warm_across_calls(smollm2):
     engine = Engine(smollm2, config=GraftConfig(warm_from_prefill=False))
-    assert engine.adjacency is None                       # made on a request's first use
+    assert engine.state.source("adjacency") is None                       # made on a request's first use
     first = graft_tk.decode(smollm2, "Count from 1 to 20.", method="retrieval", engine=engine, max_new_tokens=40)
-    filled = int((engine.adjacency.matrix >= 0).any(-1).sum())
+    filled = int((engine.state.source("adjacency").matrix >= 0).any(-1).sum())
     assert filled > 0
     later = [graft_tk.decode(smollm2, "Count from 1 to 20.", method="retrieval", engine=engine, max_new_tokens=40)
              for _ in range(2)]
@@ -166,7 +165,7 @@ def test_prefill_warms_the_adjacency_from_every_prompt_position(smollm2):
     net.setup_cache(n)
     with torch.inference_mode():
         logits = net(torch.tensor([ids]), torch.arange(n), 0)[0]
-    M = engine.adjacency.matrix
+    M = engine.state.source("adjacency").matrix
     expected = update_adjacency(new_adjacency(*M.shape), torch.tensor(ids), logits)
     assert int((expected >= 0).any(-1).sum()) == len(set(ids))
     assert torch.equal(M, expected)
@@ -196,8 +195,8 @@ def test_the_drafter_never_drafts_deeper_or_wider_than_the_budget_can_verify(smo
     ref = graft_tk.decode(smollm2, ids, max_new_tokens=16)
     for method in ("tree", "graft"):
         engine = Engine(smollm2, self_drafter, GraftConfig(budget=3, max_depth=6, top_k=4, tau=1e-6))
-        requests, draft = [], engine.drafter.draft
-        engine.drafter.draft = lambda request, ops: requests.append(request) or draft(request, ops)
+        requests, draft = [], engine.runtime.drafter.draft
+        engine.runtime.drafter.draft = lambda request, ops: requests.append(request) or draft(request, ops)
         got = graft_tk.decode(smollm2, ids, method=method, engine=engine, max_new_tokens=16)
         assert got.tokens == ref.tokens and 1 <= got.stats["drafter_forwards_per_step"] <= 2, method
         assert requests and {(r.max_depth, r.top_k) for r in requests} == {(2, 2)}, method
@@ -231,7 +230,7 @@ def test_drafter_methods_need_a_drafter(smollm2):
 
 def test_a_batch_refuses_bad_requests_before_they_take_a_row(smollm2):
     """F7 (issue 38): empty prompts, ids outside the vocabulary, prompts past the context."""
-    batch = Batch(Engine(smollm2), max_batch=2)
+    batch = Engine(smollm2).batch(2)
     ctx = smollm2.config.max_position_embeddings
     for ids, message in [([], "prompt is empty"), ([1, 10 ** 9], "token ids must be ints"),
                          ([1] * ctx, "exceeds the model's context"), ([1, 2], "max_new_tokens")]:
@@ -293,7 +292,7 @@ def sample_joint(method: str, target: Model, drafter: Model, n_samples: int, tem
     through one engine (M and the estimates change between steps, as in serving)."""
     V = target.config.vocab_size
     engine = Engine(target, drafter if METHODS[method].drafts else None, config)
-    results = decode_batch(engine, [list(prompt)] * n_samples, method, max_batch, n_tokens,
+    results = decode_batch(engine.batch(max_batch), [list(prompt)] * n_samples, method, n_tokens,
                            Sampling(temperature, top_p, 0))
     counts = torch.zeros(V ** n_tokens)
     for tokens, _ in results:
@@ -324,8 +323,8 @@ def test_every_method_samples_the_tokens_ar_samples(tiny_pair, method):
     target, drafter, _ = tiny_pair
     engine = Engine(target, drafter, SAMPLING_CONFIG)
     prompts = [[1, 3, 0, 1], [2, 2, 1, 0, 3], [0], [3, 1, 3, 1, 3, 1]] * 10
-    want = decode_batch(Engine(target), prompts, "ar", 1, 6, Sampling(0.7, 0.8, 11))
-    got = decode_batch(engine, prompts, method, 4, 6, Sampling(0.7, 0.8, 11))
+    want = decode_batch(Engine(target).batch(1), prompts, "ar", 6, Sampling(0.7, 0.8, 11))
+    got = decode_batch(engine.batch(4), prompts, method, 6, Sampling(0.7, 0.8, 11))
     assert [t for t, _ in got] == [t for t, _ in want]
     assert sum(s["steps"] for _, s in got) < sum(s["steps"] for _, s in want)     # it speculated
 

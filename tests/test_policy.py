@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import graft_tk
-from graft_tk.acceptance import LEARNT_PRIOR_WEIGHT, PRIOR_WEIGHT, SCORE_EDGES, AcceptancePriors
+from graft_tk.acceptance import LEARNT_PRIOR_WEIGHT, PRIOR_WEIGHT, SCORE_EDGES, AcceptancePriors, SourcePriors
 from graft_tk.calibration.cost import interpolate, measure_step_cost
 from graft_tk.config import GraftConfig
 from graft_tk.cost import StepCost
@@ -58,7 +58,7 @@ def test_depth_threshold_is_the_lowest_score_whose_acceptance_pays_for_a_forward
     assert policy.depth_log_tau(rates, SCORE_EDGES, -math.inf) == SCORE_EDGES[7]
     assert policy.depth_log_tau(rates, SCORE_EDGES, math.log(0.9)) == math.log(0.9)   # tau stays a bound
     assert policy.depth_log_tau([0.1] * len(rates), SCORE_EDGES, -math.inf) == math.inf
-    policy.observe(committed=5, verified=1, draft_widths=(4,), drafted=True, drafted_accepted=3)   # raises R ...
+    policy.count(committed=5, verified=1, draft_widths=(4,), drafted=True, drafted_accepted=3)   # raises R ...
     assert policy.rate == pytest.approx((0.95 * 4 + 5) / (0.95 * 40 + 10 + 4))
     assert policy.depth_log_tau(rates, SCORE_EDGES, -math.inf) > SCORE_EDGES[7]   # ... and the bar
     # where each verified node costs a row (1 ms here), the frontier's best must pay for its row too:
@@ -78,7 +78,7 @@ def test_drafting_stops_where_the_drafted_nodes_rows_cost_more_than_they_add():
     for name, cost in (("flat", flat), ("steep", steep)):
         policy = StepPolicy(cost, top_k=1, budget=16)
         for _ in range(30):    # each drafting step: 2 forwards, 6 drafted nodes verified, 2 accepted
-            policy.observe(committed=3, verified=7, draft_widths=(1, 1), drafted=True, drafted_accepted=2,
+            policy.count(committed=3, verified=7, draft_widths=(1, 1), drafted=True, drafted_accepted=2,
                            drafted_verified=6)
         choices[name] = policy.should_draft()
     assert choices == {"flat": True, "steep": False}
@@ -107,11 +107,11 @@ def test_drafting_is_skipped_while_it_does_not_pay_and_retried_every_few_steps()
     policy = StepPolicy(cost, top_k=1)
     assert policy.should_draft()                     # prior: one accepted drafted node per step >= 0.1 * 8
     for _ in range(20):                              # the drafter's nodes are never accepted
-        policy.observe(committed=1, verified=1, draft_widths=(1,), drafted=True, drafted_accepted=0)
+        policy.count(committed=1, verified=1, draft_widths=(1,), drafted=True, drafted_accepted=0)
     choices = []
     for _ in range(2 * EXPLORE_EVERY):
         choices.append(policy.should_draft())
-        policy.observe(committed=1, verified=1, draft_widths=(1,) if choices[-1] else (), drafted=choices[-1],
+        policy.count(committed=1, verified=1, draft_widths=(1,) if choices[-1] else (), drafted=choices[-1],
                        drafted_accepted=0)
     assert choices == ([False] * (EXPLORE_EVERY - 1) + [True]) * 2
 
@@ -119,17 +119,17 @@ def test_drafting_is_skipped_while_it_does_not_pay_and_retried_every_few_steps()
 def test_the_gate_takes_the_faster_of_drafting_or_not_with_a_prompt_lookup_match_and_without():
     gate = DraftGate()
     assert gate.drafts(free=3.0)                  # a match: draft first ...
-    gate.observe(committed=6, seconds=0.6, drafted=True)
+    gate.count(committed=6, seconds=0.6, drafted=True)
     assert not gate.drafts(free=3.0)              # ... then try without
-    gate.observe(committed=5, seconds=0.2, drafted=False)
+    gate.count(committed=5, seconds=0.2, drafted=False)
     assert gate.drafts(free=0.0)                  # no match is the other situation: draft first there too
-    gate.observe(committed=6, seconds=0.6, drafted=True)
+    gate.count(committed=6, seconds=0.6, drafted=True)
     assert not gate.drafts(free=0.0)
-    gate.observe(committed=1, seconds=0.2, drafted=False)
+    gate.count(committed=1, seconds=0.2, drafted=False)
     picks = []
     for _ in range(2 * EXPLORE_EVERY):            # with a match, not drafting is faster (25 vs 10 tokens/s)
         picks.append(gate.drafts(free=3.0))
-        gate.observe(committed=6 if picks[-1] else 5, seconds=0.6 if picks[-1] else 0.2, drafted=picks[-1])
+        gate.count(committed=6 if picks[-1] else 5, seconds=0.6 if picks[-1] else 0.2, drafted=picks[-1])
     assert picks.count(True) == 2                 # the other arm tried every EXPLORE_EVERY-th step
     assert gate.drafts(free=0.0)                  # without a match drafting is faster (10 vs 5 tokens/s)
 
@@ -222,34 +222,41 @@ def test_cost_only_measures_the_cost_and_learns_priors_into_the_profile(tmp_path
     assert cost is not None and priors is not None
     # verifies measured up to 64 tokens; without a tuned profile N is the verify's knee
     assert len(cost.verify_ms) == 64 and profile.config.budget == cost.knee()
-    assert len(priors.draft) == len(SCORE_EDGES) + 1 and list(priors.draft) == sorted(priors.draft)
-    assert len(priors.retrieval) == profile.config.retrieval_k and len(priors.pld) == profile.config.pld_max_ngram
+    draft = priors.draft.rates
+    assert len(draft) == len(SCORE_EDGES) + 1 and list(draft) == sorted(draft)
+    assert len(priors.of("adjacency").rates) == profile.config.retrieval_k
+    assert priors.of("prompt_lookup") is None      # graft does not use it: it keeps its generic guess
     assert profile.measured["priors_prompts"] == ["HumanEval/0"]
     # the engine starts from them
     engine = Engine(graft_tk.load_model("smollm2-135m", dtype="fp32", progress=False), None, profile.config)
-    assert torch.allclose(engine.draft_rates.rate(), torch.tensor(priors.draft), atol=1e-6)
+    assert torch.allclose(engine.state.draft_rates.rate(), torch.tensor(draft), atol=1e-6)
 
 
 def test_learnt_priors_follow_the_counts_and_are_validated(smollm2):
-    engine = Engine(smollm2, None, GraftConfig(retrieval_k=2, template=(2, 1), pld_tokens=3, pld_max_ngram=2))
-    engine.set_decay(1.0)
-    retrieval = engine.source("adjacency").rates
+    small = dict(retrieval_k=2, template=(2, 1), pld_tokens=3, pld_max_ngram=2, suffix_max_match=2)
+    state = Engine(smollm2, None, GraftConfig(**small)).state
+    state.set_decay(1.0)
+    state.admit(METHODS["graft+suffix"])
+    retrieval = state.source("adjacency").rates
     retrieval.n += torch.tensor([50.0, 50.0, 0.0])          # rank 0 always right, rank 1 never
     retrieval.acc += torch.tensor([50.0, 0.0, 0.0])
-    learnt = engine.learnt_priors()
-    assert learnt.retrieval[0] > 0.9 and learnt.retrieval[1] < 0.05
-    assert learnt.retrieval_weight == (LEARNT_PRIOR_WEIGHT, LEARNT_PRIOR_WEIGHT)
+    learnt = state.learnt_priors()
+    assert set(learnt.sources) == {"adjacency", "prompt_lookup", "suffix"}     # every source learns its own
+    adjacency, pld, suffix = (learnt.of(name) for name in ("adjacency", "prompt_lookup", "suffix"))
+    assert adjacency.rates[0] > 0.9 and adjacency.rates[1] < 0.05
+    assert adjacency.weights == (LEARNT_PRIOR_WEIGHT, LEARNT_PRIOR_WEIGHT)
     # nothing seen: the generic guess, weighing no more than it did
-    assert learnt.pld == pytest.approx((0.3, 0.5)) and learnt.pld_weight == (PRIOR_WEIGHT, PRIOR_WEIGHT)
-    config = GraftConfig(retrieval_k=2, template=(2, 1), pld_tokens=3, pld_max_ngram=2,
-                         priors=json.loads(json.dumps(dataclasses.asdict(learnt))))   # a profile's round trip
+    assert pld.rates == pytest.approx((0.3, 0.5)) and pld.weights == (PRIOR_WEIGHT, PRIOR_WEIGHT)
+    assert suffix.rates == pytest.approx((0.3, 0.45)) and suffix.weights == (PRIOR_WEIGHT, PRIOR_WEIGHT)
+    config = GraftConfig(**small, priors=json.loads(json.dumps(dataclasses.asdict(learnt))))   # a profile's round trip
     assert config.priors == learnt
-    started = Engine(smollm2, None, config).source("adjacency")
-    assert started.rates.rate()[:2].tolist() == pytest.approx(learnt.retrieval, rel=1e-5)
-    fields = dataclasses.asdict(learnt)
+    started = Engine(smollm2, None, config).state
+    started.admit(METHODS["graft+suffix"])
+    assert started.source("adjacency").rates.rate()[:2].tolist() == pytest.approx(adjacency.rates, rel=1e-5)
+    assert started.source("suffix").learnt() == suffix       # the round trip holds for every source
     with pytest.raises(InputError, match="probabilities"):
-        AcceptancePriors(**{**fields, "retrieval": (0.0, 0.5)})
+        SourcePriors((0.0, 0.5), (2.0, 2.0))
     with pytest.raises(InputError, match="score buckets"):
-        AcceptancePriors(**{**fields, "draft": (0.5,), "draft_weight": (2.0,)})
+        AcceptancePriors(SourcePriors((0.5,), (2.0,)))
     with pytest.raises(InputError, match="one weight"):
-        AcceptancePriors(**{**fields, "pld_weight": (100.0, 2.0)})
+        SourcePriors((0.5, 0.5), (100.0, 2.0))

@@ -248,11 +248,11 @@ def default_prompts() -> str:
 
 
 def priors_table(priors) -> str:
-    """The learnt acceptance priors, one line per source."""
-    fmt = lambda values: ", ".join(f"{x:.2f}" for x in values)   # noqa: E731
-    return (f"acceptance priors: drafted path by score bucket [{fmt(priors.draft)}]; retrieval given its "
-            f"parent, by rank [{fmt(priors.retrieval)}]; prompt lookup given the previous token, by n-gram "
-            f"length [{fmt(priors.pld)}]")
+    """The learnt acceptance priors, one entry per source (each indexed its own way: the drafter by
+    score bucket, retrieval by rank, prompt lookup and suffix decoding by match length)."""
+    fmt = lambda p: ", ".join(f"{x:.2f}" for x in p.rates)   # noqa: E731
+    return "acceptance priors: " + "; ".join(f"{name} [{fmt(p)}]" for name, p in
+                                             [("draft", priors.draft), *priors.sources.items()])
 
 
 def cost_table(cost) -> str:

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 
-from ..batch import Batch
+from ..compiled import Compile
 from ..engine import Engine
 from ..models import Model
 from ..sampling import Sampling
@@ -145,7 +145,7 @@ class Scheduler:
         self.max_model_len = max_model_len or min(DEFAULT_MAX_MODEL_LEN, target.config.max_position_embeddings)
         # policy: batch size -> config (N, tau and D by batch size, graft-calibrate --batch B), planned
         # for the most requests of the last ``hold`` steps (graft_tk.batch.Batch)
-        self.batch = Batch(self.engine, max_batch, policy, hold, self.max_model_len)
+        self.batch = self.engine.batch(max_batch, policy, hold, self.max_model_len)
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._thread = threading.Thread(target=self._serve, name="graft-decode", daemon=True)
         self._accepting = True
@@ -172,11 +172,11 @@ class Scheduler:
         a throwaway engine and batch of the serving ones' shapes: the graphs belong to the models
         and outlive them, and the serving engine's adjacency matrix and acceptance rates start
         clean. Returns the seconds it took."""
-        if self.engine.compile == "off":
+        if self.engine.runtime.compile is Compile.OFF:
             return 0.0
         start = time.perf_counter()
-        engine = Engine(self.target, self.drafter, self.engine.config, compile=self.engine.compile)
-        batch = Batch(engine, self.batch.max_batch, self.batch.policy, self.batch.hold, self.max_model_len)
+        engine = Engine(self.target, self.drafter, self.engine.config, compile=self.engine.runtime.compile)
+        batch = engine.batch(self.batch.max_batch, self.batch.policy, self.batch.hold, self.max_model_len)
         ids = self.target.tokenizer.encode(WARM_UP_PROMPT)
         for size in sorted({1, min(2, batch.max_batch), batch.max_batch}):
             for _ in range(size):

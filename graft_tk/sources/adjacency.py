@@ -22,23 +22,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..acceptance import PRIOR_WEIGHT, AcceptancePriors, Rates, lookup, outcome
+from ..acceptance import LEARNT_PRIOR_WEIGHT, PRIOR_WEIGHT, Rates, SourcePriors, lookup, outcome
 from ..adjacency import new_adjacency, template_from_level_sizes, warm_adjacency
 from ..config import GraftConfig
 from ..ops import Ops
 from ..tree import DRAFT, RETRIEVAL, BuiltTree
-from . import Candidates, StepView
+from . import Candidates, CandidateSource, StepView
 
 
-class AdjacencySource:
+class AdjacencySource(CandidateSource):
     name = "adjacency"
     code = RETRIEVAL
+    reads_pool = True     # its tip templates continue the drafted pool
 
-    def __init__(self, config: GraftConfig, ops: Ops, device, priors: AcceptancePriors | None = None,
+    def __init__(self, config: GraftConfig, ops: Ops, device, priors: SourcePriors | None = None,
                  vocab_size: int = 0):
-        self.ops, self.warm_from_prefill = ops, config.warm_from_prefill
+        super().__init__(config, ops, device)
+        self.warms_from_prompt = config.warm_from_prefill
         self.template = template_from_level_sizes(config.template, config.retrieval_k).to(device)
-        self.matrix = new_adjacency(vocab_size, config.retrieval_k, device)   # -1: never written
+        # M: -1 never written; ``accept`` writes the verify's top-k successors of every node
+        self.matrix = self.successors = new_adjacency(vocab_size, config.retrieval_k, device)
         self.rates = Rates(*self._priors(self.template, priors, device))
         # Grafts at the drafter's tips: one block per drafted depth d = 1 .. D, the d path
         # positions then the tip template under the last (layout in ``_tip_layout``).
@@ -52,11 +55,12 @@ class AdjacencySource:
         return self.rates, self.tip_rates
 
     @staticmethod
-    def _priors(template, priors: AcceptancePriors | None, device) -> tuple[Tensor, Tensor]:
+    def _priors(template, priors: SourcePriors | None, device) -> tuple[Tensor, Tensor]:
+        """By rank (``learnt``'s pooling); generic: 0.4 * 0.6 ** rank."""
         ranks = template.ranks.long()
         if priors is None:
             return 0.4 * 0.6 ** ranks.float(), torch.full((template.n,), PRIOR_WEIGHT, device=device)
-        return lookup(priors.retrieval, ranks), lookup(priors.retrieval_weight, ranks)
+        return lookup(priors.rates, ranks), lookup(priors.weights, ranks)
 
     def _tip_layout(self, device) -> Tensor:
         """The tip candidates' static layout (their parents, offset by the root template's n).
@@ -138,14 +142,14 @@ class AdjacencySource:
         """M's rows from a prefill: position t's logits (``head(hidden[t])``) follow ``prompt[t]``."""
         warm_adjacency(self.matrix, prompt, hidden, head)
 
-    def learnt(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """(rates, weights) pooled by rank (AcceptancePriors.retrieval)."""
+    def learnt(self) -> SourcePriors:
+        """The root template's rates and weights pooled by rank."""
         r, ranks = self.rates, self.template.ranks.long()
         by_rank = lambda t: torch.zeros(int(ranks.max()) + 1, device=t.device).index_add_(0, ranks, t)  # noqa: E731
         per_rank = by_rank(torch.ones_like(r.prior)).clamp(min=1)
         prior, weight, n = by_rank(r.prior) / per_rank, by_rank(r.weight) / per_rank, by_rank(r.n)
         rate = (by_rank(r.acc) + weight * prior) / (n + weight)
-        return tuple(rate.tolist()), tuple((weight + n).clamp(max=8.0).tolist())
+        return SourcePriors.of(rate.tolist(), (weight + n).clamp(max=LEARNT_PRIOR_WEIGHT).tolist())
 
     def summary(self) -> list[float]:
         return [round(x, 4) for x in self.rates.rate().tolist()]

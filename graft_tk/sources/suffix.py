@@ -33,8 +33,8 @@ depth): m of the earliest (longest-matching) chain through the node, ``support``
 chains whose path runs through the node (a token that 3 of 4 occurrences continued with beats one
 that 1 continued with), depth its chain position. Priors: base(m) = min(0.3 + 0.15 (m - 1), 0.8)
 (prompt lookup's curve, longer matches likelier), each supporting occurrence counting as evidence:
-1 - (1 - base)^support, at most 0.9. ``AcceptancePriors`` holds no suffix entry: calibration does
-not learn these priors (yet).
+1 - (1 - base)^support, at most 0.9. Learnt priors (``learnt``, kept in a calibrated profile)
+replace base(m) by the rate of the single-support nodes of each m.
 """
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..acceptance import PRIOR_WEIGHT, AcceptancePriors, Rates, outcome
+from ..acceptance import LEARNT_PRIOR_WEIGHT, PRIOR_WEIGHT, Rates, SourcePriors, lookup, outcome
 from ..config import GraftConfig
 from ..ops import Ops
 from ..tree import SUFFIX, BuiltTree
-from . import Candidates, StepView
+from . import Candidates, CandidateSource, StepView
 
 
 def suffix_chains(context: Tensor, length: Tensor, max_match: int, n_chains: int, n_tokens: int
@@ -88,22 +88,26 @@ def suffix_chains(context: Tensor, length: Tensor, max_match: int, n_chains: int
     return chains, torch.where(found, top.clamp(min=0) // W, 0)
 
 
-class SuffixSource:
+class SuffixSource(CandidateSource):
     name = "suffix"
     code = SUFFIX
 
-    def __init__(self, config: GraftConfig, ops: Ops, device, priors: AcceptancePriors | None = None, **_):
+    def __init__(self, config: GraftConfig, ops: Ops, device, priors: SourcePriors | None = None,
+                 vocab_size: int = 0):
+        super().__init__(config, ops, device)
         G, P, L = config.suffix_max_match, config.suffix_chains, config.suffix_tokens
         self.max_match, self.chains, self.length = G, P, L
         index = torch.arange(P * L, device=device)
         self.parents = torch.where(index % L == 0, -1, index - 1).to(torch.int32)   # chain p: a path under the root
-        m = torch.arange(1, G + 1, device=device).float()
+        m = torch.arange(1, G + 1, device=device)
         support = torch.arange(1, P + 1, device=device).float()
-        base = (0.3 + 0.15 * (m - 1)).clamp(max=0.8)
+        if priors is None:
+            base, weight = (0.3 + 0.15 * (m.float() - 1)).clamp(max=0.8), torch.full((G,), PRIOR_WEIGHT, device=device)
+        else:
+            base, weight = lookup(priors.rates, m - 1), lookup(priors.weights, m - 1)
         prior = (1 - (1 - base[:, None]) ** support[None, :]).clamp(max=0.9)       # [G, P]
         # rates [G, P, L]: P(accepted | parent accepted) by matched length, support, chain position
-        self.rates = Rates(prior[:, :, None].expand(G, P, L).clone(),
-                           torch.full((G, P, L), PRIOR_WEIGHT, device=device))
+        self.rates = Rates(prior[:, :, None].expand(G, P, L).clone(), weight[:, None, None].expand(G, P, L).clone())
 
     @property
     def rate_tables(self) -> tuple[Rates, ...]:
@@ -132,3 +136,15 @@ class SuffixSource:
         tried, accepted = outcome(built, on_path, nodes, self.code)
         counted = (note >= 0).float()                  # a node several chains share counts once
         self.rates.count(note.clamp(min=0), tried * counted, accepted * counted)
+
+    def learnt(self) -> SourcePriors:
+        """base(m): the rate of the nodes one chain supports, by matched length, pooled over depth."""
+        r = self.rates
+        n, acc = r.n[:, 0].sum(-1), r.acc[:, 0].sum(-1)
+        weight, prior = r.weight[:, 0, 0], r.prior[:, 0, 0]
+        return SourcePriors.of(((acc + weight * prior) / (n + weight)).tolist(),
+                               (weight + n).clamp(max=LEARNT_PRIOR_WEIGHT).tolist())
+
+    def summary(self) -> list[float]:
+        """Single-support rates by matched length, at the chain's first position."""
+        return [round(x, 4) for x in self.rates.rate()[:, 0, 0].tolist()]

@@ -122,7 +122,7 @@ def greedy_answers(target: Model, prompts: list[list[int]], max_new_tokens: int,
     """
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    batch = Batch(Engine(target), max_batch=batch_size)
+    batch = Engine(target).batch(batch_size)
     answers: dict[int, list[int]] = {}
     index: dict[int, int] = {}
     pending = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))   # similar lengths together
