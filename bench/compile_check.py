@@ -1,6 +1,6 @@
 """Compile every Triton kernel for real GPUs on a machine without one (sm_80 and sm_90 by default).
 
-    python -m graft_tk.bench.compile_check --arch 80,90 [--quick] [--json OUT]
+    python -m bench.compile_check --arch 80,90 [--quick] [--json OUT]
 
 Triton's interpreter, which runs the kernel tests here, accepts programs the compiler rejects
 (size-1 ranges, dtype mixes, more shared memory than a GPU has). This check compiles what a GPU
@@ -51,7 +51,7 @@ from graft_tk.kernels import tree_attention as attention_kernel  # noqa: E402
 from graft_tk.adjacency import RetrievalTemplate, default_template, new_adjacency  # noqa: E402
 from graft_tk.autotune import tree_attention as tunable_attention  # noqa: E402
 
-from graft_tk.bench import cases  # noqa: E402  the op benchmark shapes
+from bench import cases  # noqa: E402  the op benchmark shapes
 
 # Shared memory a block may use (bytes, with the opt-in carve-out): A100 163 KB, H100/H200 227 KB.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}

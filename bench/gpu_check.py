@@ -1,7 +1,7 @@
 """Everything a few minutes on a lent GPU should tell, in one run and one table.
 
-    python -m graft_tk.bench.gpu_check [--quick] [--json OUT.json]   # on a CUDA machine
-    python -m graft_tk.bench.gpu_check --dry-run                     # CPU: checks this script (interpreter)
+    python -m bench.gpu_check [--quick] [--json OUT.json]   # on a CUDA machine
+    python -m bench.gpu_check --dry-run                     # CPU: checks this script (interpreter)
 
 1. The kernel tests, compiled: ``pytest tests/test_kernel_*.py tests/test_backends.py
    tests/test_autotune.py bench/test_gpu_autotune.py`` with TRITON_INTERPRET unset, so every
@@ -94,7 +94,7 @@ def run_benchmarks(quick: bool, cuda: bool) -> list[dict]:
     import torch
 
     import graft_tk.kernels  # noqa: F401  (interpreter switch on CPU)
-    from graft_tk.bench.cases import CASES, implementation
+    from bench.cases import CASES, implementation
     device = torch.device("cuda" if cuda else "cpu")
     rows = []
     for case in CASES:

@@ -9,7 +9,7 @@ nothing about speed.
 import pytest
 import torch
 
-from graft_tk.bench.cases import CASES, branchy_tree, implementation
+from bench.cases import CASES, branchy_tree, implementation
 
 BACKENDS = ["torch", "triton"]
 

@@ -1,6 +1,6 @@
 """vLLM's speculative methods against the Graft proposer, inside vLLM's CPU build, on one set of prompts.
 
-    .venv-vllm/bin/python -m graft_tk.bench.vllm_methods --prompts PROMPTS.jsonl --max-tokens 64 \\
+    .venv-vllm/bin/python -m bench.vllm_methods --prompts PROMPTS.jsonl --max-tokens 64 \\
         --out docs/benchmarks/<date>/vllm
 
 Every method runs in its own process (vLLM builds one engine per process), one after another, the
@@ -168,8 +168,8 @@ def main(argv=None) -> None:
             if m in notes:
                 continue
             print(f"[round {r + 1}/{args.rounds}] {m} ...", file=sys.stderr, flush=True)
-            proc = subprocess.run([sys.executable, "-m", "graft_tk.bench.vllm_methods", *base, "--worker", m],
-                                  env=_env(), capture_output=True, text=True)
+            proc = subprocess.run([sys.executable, "-m", "bench.vllm_methods", *base, "--worker", m],
+                                  env=_env(), capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 notes[m] = f"failed (exit {proc.returncode}): " + proc.stderr.strip().splitlines()[-1][:300]
@@ -205,7 +205,7 @@ def summarize(runs: dict, notes: dict, args) -> dict:
         acc = "" if f["accepted_per_step"] is None else f"{f['accepted_per_step']:.2f}"
         same = {None: "", True: "yes", False: "**no**"}[f["identical_to_none"]]
         rows.append(f"| {m} | {f['tokens_per_s']:.2f} | {ratio} | {acc} | {same} |")
-    cmd = "python -m graft_tk.bench.vllm_methods " + " ".join(
+    cmd = "python -m bench.vllm_methods " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("worker", "out") and v is not None)
     table = "\n".join([f"`{cmd}`", "", "| method | tokens/s | vs none | accepted / verify step | output = none |",
                        "|---|---|---|---|---|", *rows])

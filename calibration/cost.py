@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from graft_tk.compiled import StepForward
+from graft_tk.compiled import Compile, StepForward
 from graft_tk.cost import StepCost, forward_ms, median_ms
 from graft_tk.engine import Engine
 from graft_tk.models.eagle3 import Eagle3Head
@@ -51,7 +51,7 @@ def forward_curve(net, run, device: torch.device, n_max: int, context: int, repe
     return interpolate(points, n_max)
 
 
-def measure_step_cost(target, drafter, config, compile: bool = False, context: int = 256, repeats: int = 3,
+def measure_step_cost(target, drafter, config, compile: bool | Compile = False, context: int = 256, repeats: int = 3,
                       progress: Callable[[str], None] | None = None, n_max: int | None = None) -> StepCost:
     """Measure ``StepCost`` for this target (and drafter: a ``Model`` or an EAGLE-3 head) on their
     device, up to ``n_max`` tokens (default ``config.budget``); ``compile``: the compiled step
@@ -63,7 +63,8 @@ def measure_step_cost(target, drafter, config, compile: bool = False, context: i
     """
     device, n_max = target.device, max(n_max or 0, config.budget)
     say = progress or (lambda msg: None)
-    step = StepForward(target.net, compile)
+    scope = Compile.of(compile)
+    step = StepForward(target.net, scope.target)
     say(f"target {target.name}: forwards of 1 .. {n_max} tokens after {context} cached")
     verify = forward_curve(target.net, step, device, n_max, context, repeats, say)
     draft: tuple[float, ...] = ()
@@ -76,11 +77,11 @@ def measure_step_cost(target, drafter, config, compile: bool = False, context: i
         say(f"EAGLE-3 head: forwards of 1 .. {n_max} entries")
         draft = forward_curve(drafter, head, device, n_max, context, repeats, say)
     elif drafter is not None:
-        dstep = StepForward(drafter.net, compile, dynamic=True)
+        dstep = StepForward(drafter.net, scope.drafter, dynamic=True)
         say(f"drafter {drafter.name}: forwards of 1 .. {n_max} tokens")
         draft = forward_curve(drafter.net, dstep, device, n_max, context, repeats, say)
     say("the rest of a step: a short decode")
-    engine = Engine(target, drafter, config, compile=compile)
+    engine = Engine(target, drafter, config, compile=scope)
     prompt = target.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
     _, stats = engine.generate(engine.request(prompt, "graft" if drafter is not None else "retrieval", 24))
     split = stats["time_split"]

@@ -28,7 +28,6 @@ from graft_tk._fs import graft_home
 from graft_tk._version import __version__
 from graft_tk.acceptance import AcceptancePriors
 from graft_tk.batch import decode_batch
-from graft_tk.bench.compare import cold_decode
 from graft_tk.bench.prompts import Prompt
 from graft_tk.config import GraftConfig
 from graft_tk.decode import decode, encode_prompt
@@ -241,8 +240,10 @@ class Objective:
 
 def run_decode(task: Task, method: str, config: GraftConfig | None, ids: list[int], max_new_tokens: int):
     """One cold decode of the task's model pair (fresh Engine): (tokens, stats)."""
-    return cold_decode(task.target, task.drafter, method, config, ids, max_new_tokens, task.temperature,
-                       task.seed, task.top_p, task.compile)
+    r = decode(task.target, ids, method=method, drafter=task.drafter, config=config or GraftConfig(),
+               max_new_tokens=max_new_tokens, temperature=task.temperature, top_p=task.top_p, seed=task.seed,
+               compile=task.compile)
+    return r.tokens, r.stats
 
 
 def run_batch(task: Task, method: str, config: GraftConfig | None, encoded: list[list[int]]

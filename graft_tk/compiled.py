@@ -73,6 +73,9 @@ class Compile(enum.Enum):
             raise InputError(f"compile must be True, False or one of {', '.join(repr(c.value) for c in cls)}, "
                              f"got {compile!r}") from None
 
+    def __str__(self) -> str:
+        return self.value
+
     @property
     def target(self) -> bool:
         return self is Compile.ON

@@ -149,22 +149,26 @@ def test_summary_pools_counts_and_marks_mismatches(tmp_path):
 
 
 def test_compile_both_runs_every_method_eager_and_compiled(smollm2, monkeypatch):
+    from graft_tk.compiled import Compile
     from graft_tk.config import GraftConfig
     from graft_tk.errors import InputError
     from graft_tk.bench.prompts import Prompt
     prompts = [Prompt("hi", "chat", "Say hi.")]
-    plan = bench.Plan(smollm2, None, GraftConfig(), ("ar", "retrieval"), prompts, 4, compile="both")
+    both = bench.BENCH_COMPILE_MODES["both"]
+    plan = bench.Plan(smollm2, None, GraftConfig(), ("ar", "retrieval"), prompts, 4, compile=both)
     assert plan.run_names == ("ar", "retrieval", "ar:compiled", "retrieval:compiled")
     calls = []
     monkeypatch.setattr(bench, "cold_decode", lambda t, d, method, *a: calls.append((method, a[-1])) or ([], {}))
     for name in plan.run_names:
         plan.run_once(name, [1, 2], 4)
-    assert calls == [("ar", "off"), ("retrieval", "off"), ("ar", "on"), ("retrieval", "on")]
+    assert calls == [("ar", Compile.OFF), ("retrieval", Compile.OFF), ("ar", Compile.ON), ("retrieval", Compile.ON)]
     calls.clear()                # --compile drafter: every run compiles only the drafter model
-    plan_d = bench.Plan(smollm2, None, GraftConfig(), ("ar", "retrieval"), prompts, 4, compile="drafter")
+    plan_d = bench.Plan(smollm2, None, GraftConfig(), ("ar", "retrieval"), prompts, 4,
+                        compile=bench.BENCH_COMPILE_MODES["drafter"])
     for name in plan_d.run_names:
         plan_d.run_once(name, [1, 2], 4)
-    assert plan_d.run_names == ("ar", "retrieval") and calls == [("ar", "drafter"), ("retrieval", "drafter")]
+    assert plan_d.run_names == ("ar", "retrieval")
+    assert calls == [("ar", Compile.DRAFTER), ("retrieval", Compile.DRAFTER)]
     # the untimed warm-up: a few tokens eager, the whole first prompt compiled (every graph built)
     warmups = []
 
@@ -176,13 +180,29 @@ def test_compile_both_runs_every_method_eager_and_compiled(smollm2, monkeypatch)
             raise TimedRunStarted
         warmups.append((name, max_new_tokens))
     monkeypatch.setattr(bench, "_guarded", record)
-    plan = bench.Plan(smollm2, None, GraftConfig(), ("ar", "retrieval"), prompts, 20, compile="both")
+    plan = bench.Plan(smollm2, None, GraftConfig(), ("ar", "retrieval"), prompts, 20, compile=both)
     with pytest.raises(TimedRunStarted):
         bench.run(plan)
     assert warmups == [("ar", bench.WARMUP_TOKENS), ("retrieval", bench.WARMUP_TOKENS), ("ar:compiled", 20),
                        ("retrieval:compiled", 20)]
     with pytest.raises(InputError, match="--compile"):
-        bench.Plan(smollm2, None, GraftConfig(), ("ar",), prompts, 4, compile="yes")
+        bench.Plan(smollm2, None, GraftConfig(), ("ar",), prompts, 4, compile=("yes",))
+
+
+def test_adaptive_both_runs_each_pruning_method_fixed_and_adaptive(smollm2):
+    from graft_tk.bench.prompts import Prompt
+    from graft_tk.config import GraftConfig
+    from graft_tk.cost import StepCost
+    cost = StepCost(verify_ms=tuple(10.0 + i for i in range(16)), draft_ms=(3.0,) * 16, step_ms=1.0)
+    prompts = [Prompt("hi", "chat", "Say hi.")]
+    plan = bench.Plan(smollm2, smollm2, GraftConfig(cost=cost), ("ar", "tree", "graft"), prompts, 4,
+                      adaptive=bench.ADAPTIVE_MODES["both"], configs={"other": GraftConfig()})
+    assert plan.run_names == ("ar", "tree", "graft", "graft:adaptive", "tree@other", "graft@other")
+    runs = {r.name: r for r in plan.runs}
+    assert runs["graft:adaptive"].adaptive and not runs["graft"].adaptive and runs["graft@other"].config == "other"
+    only = bench.Plan(smollm2, smollm2, GraftConfig(cost=cost), ("ar", "graft"), prompts, 4,
+                      adaptive=bench.ADAPTIVE_MODES["on"])
+    assert only.run_names == ("ar", "graft") and [r.adaptive for r in only.runs] == [False, True]
 
 
 def test_prompt_sources_mix_and_mt_bench_round_robin(tmp_path):

@@ -1,4 +1,4 @@
-"""Every Triton kernel compiles for sm_80 and sm_90 (bench/compile_check.py --quick), here without a GPU.
+"""Every Triton kernel compiles for sm_80 and sm_90 (python -m bench.compile_check --quick), here without a GPU.
 
 The interpreter that runs the kernel tests accepts programs the compiler rejects; this compiles
 what a GPU would, with the ptxas inside the triton wheel, in a subprocess (the check needs
@@ -22,8 +22,8 @@ KERNELS = {"_draft_expand_kernel", "_draft_expand_partial_kernel", "_retrieve_ke
 def test_every_kernel_compiles_for_sm80_and_sm90(tmp_path):
     out = tmp_path / "compile.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_check.py"), "--quick", "--arch", "80,90",
-                          "--json", str(out)], capture_output=True, text=True, env=env, timeout=1800)
+    run = subprocess.run([sys.executable, "-m", "bench.compile_check", "--quick", "--arch", "80,90",
+                          "--json", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert {(r["kernel"], r["arch"]) for r in results} == {(k, a) for k in KERNELS for a in (80, 90)}

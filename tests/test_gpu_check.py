@@ -2,7 +2,7 @@
 path, SDPA on the same inputs) and the decode steps (ar, retrieval+pld, graft, one request and a
 batch of four, identical to ar). The whole --dry-run (kernel benchmarks in the interpreter,
 compiled forwards) takes minutes; it is run by hand."""
-from graft_tk.bench import gpu_check
+from bench import gpu_check
 
 
 def test_gpu_check_attention_dry_run():

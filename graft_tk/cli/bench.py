@@ -22,6 +22,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..bench import compare as bench
+from ..compiled import Compile
 from ..bench.anchors import ANCHOR_NAMES, make_anchors, parse_anchors
 from ..bench.prompts import load_prompts
 from ..config import GraftConfig
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the step forwards compiled (torch.compile; minutes per model on a small CPU, in "
                         "the untimed warm-up); 'drafter': only the drafter model's; 'both' runs every method "
                         "eager and as '<method>:compiled' in one interleaved run")
-    p.add_argument("--adaptive", nargs="?", const="on", default="off", choices=bench.COMPILE_MODES,
+    p.add_argument("--adaptive", nargs="?", const="on", default="off", choices=bench.ADAPTIVE_MODES,
                    help="the methods that prune choose drafting depth and budget per step from the device's cost "
                         "model (--profile's, else measured first, a minute or two); 'both' runs each such method "
                         "fixed and as '<method>:adaptive' in one interleaved run")
@@ -152,16 +153,17 @@ def _run(args) -> dict:
                              f"{args.model} first (graft-calibrate --show lists profiles)")
         config = dataclasses.replace(profile.config, **overrides)
         print(f"config from {profile.path}", file=sys.stderr)
-    if args.adaptive != "off" and config.cost is None:
+    compile, adaptive = bench.BENCH_COMPILE_MODES[args.compile], bench.ADAPTIVE_MODES[args.adaptive]
+    if any(adaptive) and config.cost is None:
         from ..calibration.cost import measure_step_cost
         print("measuring the device's cost model (graft-calibrate --cost-only stores it in the profile) ...",
               file=sys.stderr)
-        cost = measure_step_cost(target, drafter, config, compile=args.compile == "on",
+        cost = measure_step_cost(target, drafter, config, compile=compile[-1],
                                  progress=lambda msg: print("  " + msg, file=sys.stderr))
         config = dataclasses.replace(config, cost=cost)
     plan = bench.Plan(target, drafter, config, methods, prompts, args.max_new_tokens, args.temperature,
                       args.seed, args.repeats, make_anchors(target, drafter, anchors, gguf_source(args.model)),
-                      top_p=args.top_p, compile=args.compile, adaptive=args.adaptive, configs=named_configs)
+                      top_p=args.top_p, compile=compile, adaptive=adaptive, configs=named_configs)
 
     total = len(prompts) * len(plan.run_names) * args.repeats
     with tqdm(total=total, desc="graft-bench", unit="run", disable=None, file=sys.stderr) as bar:
@@ -175,13 +177,13 @@ def _run(args) -> dict:
         from ..bench import roofline
         report["roofline"] = roofline.as_json(*roofline.measure(
             target, drafter, budget=config.budget, top_k=config.top_k,
-            compile="on" if args.compile == "both" else args.compile,
+            compile=compile[-1],
             progress=lambda msg: print(msg, file=sys.stderr)))
         if args.plot:
             roofline.plot(report["roofline"], str(args.plot).removesuffix(".png") + "-roofline.png",
                           title=f"{target.name} + {drafter.name if drafter else 'no drafter'}: forwards against "
                                 "the memory roofline")
-    if args.compile != "off":
+    if compile != (Compile.OFF,):
         print("warm-up (compiles): " + ", ".join(f"{n} {t:.0f} s" for n, t in plan.warmup_seconds.items()),
               file=sys.stderr)
     if args.json:

@@ -11,7 +11,7 @@ import logging
 import sys
 
 from ._models import add_quant_args, default_drafter, drafter_quant, load_drafter
-from ..compiled import COMPILE_SCOPES
+from ..compiled import Compile
 from ..config import GraftConfig
 from ..methods import METHODS
 from ..decode import decode
@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_quant_args(p)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--compile", nargs="?", const="on", default="off", choices=COMPILE_SCOPES,
+    p.add_argument("--compile", nargs="?", const=Compile.ON, default=Compile.OFF, type=Compile,
+                   choices=list(Compile),
                    help="run the step forwards compiled (torch.compile; the first call compiles, minutes on a "
                         "CPU); 'drafter': only the drafter model's")
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, stats) instead")

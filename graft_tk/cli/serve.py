@@ -18,7 +18,7 @@ import socket
 import sys
 
 from ._models import add_quant_args, default_drafter, drafter_quant, load_drafter
-from ..compiled import COMPILE_SCOPES
+from ..compiled import Compile
 from ..methods import METHODS
 from ..decode import check_drafter, resolve_config
 from ..errors import GraftError, InputError
@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy-hold", type=int, default=8, metavar="STEPS",
                    help="a batch plans its N, tau and D for the most requests of the last STEPS steps, so the "
                         "gap between a client's requests does not switch the policy (default: %(default)s)")
-    p.add_argument("--compile", nargs="?", const="on", default="off", choices=COMPILE_SCOPES,
+    p.add_argument("--compile", nargs="?", const=Compile.ON, default=Compile.OFF, type=Compile,
+                   choices=list(Compile),
                    help="run the step forwards compiled (torch.compile), compiled at start-up before the port "
                         "opens (minutes on a CPU; inductor caches them for the next start); 'drafter': only the "
                         "drafter model's. On a CPU measure it first: docs/roofline.md (default: %(default)s)")
@@ -117,14 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     except GraftError as e:   # e.g. a batch of an EAGLE-3 head's requests
         print(f"graft-serve: error: {e}", file=sys.stderr)
         return 2
-    if args.compile != "off":
+    if args.compile is not Compile.OFF:
         log = logging.getLogger("graft_tk.server")
         if args.max_batch > 1:
             log.warning("--compile with --max-batch %d: the warm-up compiles batches of 1, 2 and %d, but other "
                         "shapes of a batch (its size, the tokens each row drafts) can still compile while serving, "
                         "seconds to minutes each on a CPU (docs/roofline.md)", args.max_batch, args.max_batch)
         log.info("compiling %s step forwards before serving (minutes on a CPU the first time; inductor's cache "
-                 "keeps them for the next start) ...", "the drafter's" if args.compile == "drafter" else "every")
+                 "keeps them for the next start) ...", "the drafter's" if args.compile is Compile.DRAFTER else "every")
         try:
             log.info("compiled in %.0f s", scheduler.warm_up())
         except Exception as e:  # noqa: BLE001 - torch's compile errors have no common base

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .._fs import atomic_write_bytes
-from ..compiled import StepForward, compile_scope
+from ..compiled import Compile, StepForward
 from ..cost import forward_ms, median_ms
 from ..models.quant import QuantLinear
 
@@ -119,15 +119,15 @@ def time_prefill(model, rows: int, repeats: int, compile: bool) -> float:
 
 
 def measure(target, drafter, *, budget: int, top_k: int, prefill: int = 128, context: int = 256,
-            repeats: int = 5, compile: bool | str = False, bandwidth_gbs: float | None = None,
+            repeats: int = 5, compile: bool | str | Compile = False, bandwidth_gbs: float | None = None,
             progress=None) -> tuple[float, list[RooflineRow]]:
     """(bandwidth GB/s, one row per forward kind). ``compile`` (as ``decode``'s): the step forwards
     compiled (their first call compiles: minutes on a CPU); the prefill as decoding runs it
     (``StepForward.prefill``)."""
     device = target.device
     bw = bandwidth_gbs or read_bandwidth_gbs(device)
-    scope = compile_scope(compile)
-    on, drafts = scope == "on", scope != "off"
+    scope = Compile.of(compile)
+    on, drafts = scope.target, scope.drafter
     kinds = [("ar", target, 1, on), ("verify", target, budget, on)]
     if drafter is not None and hasattr(drafter, "net"):
         kinds += [("drafter", drafter, 1, drafts), ("drafter", drafter, top_k, drafts)]

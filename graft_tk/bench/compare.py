@@ -35,9 +35,9 @@ import torch
 
 from graft_tk._fs import atomic_write_text
 from graft_tk._version import __version__
+from graft_tk.compiled import Compile
 from graft_tk.config import GraftConfig
 from graft_tk.decode import decode, encode_prompt
-from graft_tk.engine import Engine
 from graft_tk.errors import InputError
 from graft_tk.methods import METHODS
 from graft_tk.models import Model
@@ -74,24 +74,26 @@ class Plan:
     repeats: int = 1
     anchors: Anchors | None = None
     top_p: float = 1.0
-    # "off" / "on": every method's step forwards eager / compiled (graft_tk.compiled); "drafter":
-    # only a drafter model's; "both": each method twice, eager and as "<method>:compiled", in one run
-    compile: str = "off"
-    # "off" / "on": the methods that prune draft at the config's fixed tau and D / choose whether
-    # to draft and how deep per step from ``config.cost`` (graft_tk.policy); "both": each such
-    # method twice, fixed and as "<method>:adaptive"
-    adaptive: str = "off"
+    # The scopes every method runs compiled with, one run each (graft_tk.compiled): (OFF,) eager;
+    # (OFF, ON) each method eager and as "<method>:compiled", in one interleaved run
+    compile: tuple[Compile, ...] = (Compile.OFF,)
+    # Whether the methods that prune draft at the config's fixed tau and D (False) or choose
+    # whether to draft and how deep per step from ``config.cost`` (True, graft_tk.policy); (False,
+    # True): each such method twice, fixed and as "<method>:adaptive"
+    adaptive: tuple[bool, ...] = (False,)
     # name -> config: each method but ar runs again as "<method>@name" with that config as it is
     # (e.g. a profile tuned on another workload), fixed unless the config carries a cost model
     configs: dict = field(default_factory=dict)
     warmup_seconds: dict = field(default_factory=dict)   # per run name: the untimed first call (compiles)
 
     def __post_init__(self):
-        if self.compile not in BENCH_COMPILE_MODES:
-            raise InputError(f"--compile must be one of {', '.join(BENCH_COMPILE_MODES)}, got {self.compile!r}")
-        if self.adaptive not in COMPILE_MODES:
-            raise InputError(f"--adaptive must be one of {', '.join(COMPILE_MODES)}, got {self.adaptive!r}")
-        if self.adaptive != "off" and self.config.cost is None:
+        self.compile, self.adaptive = tuple(self.compile), tuple(self.adaptive)
+        if not self.compile or not all(isinstance(c, Compile) for c in self.compile):
+            raise InputError(f"compile must be graft_tk.compiled.Compile scopes, got {self.compile!r} "
+                             f"(graft-bench --compile takes {', '.join(BENCH_COMPILE_MODES)})")
+        if not self.adaptive or not all(isinstance(a, bool) for a in self.adaptive):
+            raise InputError(f"adaptive must be booleans, got {self.adaptive!r}")
+        if any(self.adaptive) and self.config.cost is None:
             raise InputError("--adaptive needs the device's cost model in the config: run graft-calibrate "
                              "--cost-only and pass --profile")
         if self.repeats < 1:
@@ -106,57 +108,64 @@ class Plan:
                              "--drafter self:L (the target's first L layers)")
 
     @property
+    def runs(self) -> tuple[Run, ...]:
+        """Our runs: the methods; each that prunes once per ``adaptive`` choice; each but ar again
+        with every named config; all of them once per ``compile`` scope. A label carries the
+        choices the plan varies: "<method>[@config][:adaptive][:compiled]"."""
+        two_ways, two_scopes = len(self.adaptive) > 1, len(self.compile) > 1
+        runs = [Run(m + (":adaptive" if a and two_ways else ""), m, adaptive=a and METHODS[m].prune)
+                for a in self.adaptive for m in self.methods if not (a and two_ways) or METHODS[m].prune]
+        runs += [Run(f"{m}@{c}", m, config=c) for c in self.configs for m in self.methods if m != "ar"]
+        return tuple(replace(r, name=r.name + (":compiled" if two_scopes and c is Compile.ON else ""), compile=c)
+                     for c in self.compile for r in runs)
+
+    @property
     def our_names(self) -> tuple[str, ...]:
-        """Our runs: the methods; with adaptive "both" each that prunes again as "<method>:adaptive";
-        with compile "both" each of those again as "<name>:compiled"."""
-        names = self.methods
-        if self.adaptive == "both":
-            names += tuple(m + ADAPTIVE_SUFFIX for m in self.methods if METHODS[m].prune)
-        names += tuple(f"{m}{CONFIG_MARK}{c}" for c in self.configs for m in self.methods if m != "ar")
-        if self.compile == "both":
-            names += tuple(n + COMPILED_SUFFIX for n in names)
-        return names
+        return tuple(r.name for r in self.runs)
 
     @property
     def run_names(self) -> tuple[str, ...]:
         """Our runs, then the anchors still runnable."""
         return self.our_names + (self.anchors.names if self.anchors else ())
 
-    def compile_scope(self, name: str) -> str:
-        """What run ``name`` compiles (``graft_tk.compiled.COMPILE_SCOPES``)."""
-        if self.compile == "on" or name.endswith(COMPILED_SUFFIX):
-            return "on"
-        return "drafter" if self.compile == "drafter" else "off"
+    def compile_scope(self, name: str) -> Compile:
+        """What run ``name`` compiles (an anchor: nothing of ours)."""
+        run = next((r for r in self.runs if r.name == name), None)
+        return run.compile if run is not None else Compile.OFF
 
     def run_once(self, name: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
-        if name not in self.our_names:
+        run = next((r for r in self.runs if r.name == name), None)
+        if run is None:
             return self.anchors.run(name, ids, max_new_tokens, self.temperature, self.seed, self.top_p)
-        scope = self.compile_scope(name)
-        name = name.removesuffix(COMPILED_SUFFIX)
-        if CONFIG_MARK in name:
-            method, config_name = name.split(CONFIG_MARK)
-            return cold_decode(self.target, self.drafter, method, self.configs[config_name], ids, max_new_tokens,
-                               self.temperature, self.seed, self.top_p, scope)
-        adaptive = self.adaptive == "on" or name.endswith(ADAPTIVE_SUFFIX)
-        config = self.config if adaptive else replace(self.config, cost=None)
-        return cold_decode(self.target, self.drafter, name.removesuffix(ADAPTIVE_SUFFIX), config, ids,
-                           max_new_tokens, self.temperature, self.seed, self.top_p, scope)
+        if run.config is not None:
+            config = self.configs[run.config]
+        else:
+            config = self.config if run.adaptive else replace(self.config, cost=None)
+        return cold_decode(self.target, self.drafter, run.method, config, ids, max_new_tokens, self.temperature,
+                           self.seed, self.top_p, run.compile)
 
 
-COMPILE_MODES = ("off", "on", "both")   # Plan.adaptive's modes
-BENCH_COMPILE_MODES = ("off", "drafter", "on", "both")   # Plan.compile's
-COMPILED_SUFFIX = ":compiled"
-ADAPTIVE_SUFFIX = ":adaptive"
-CONFIG_MARK = "@"   # "<method>@<name>": a method run with one of Plan.configs
+@dataclass(frozen=True)
+class Run:
+    """One of our runs in a plan: its label, its method, and how it runs."""
+    name: str
+    method: str
+    compile: Compile = Compile.OFF   # what its step forwards compile
+    adaptive: bool = False           # the device's cost model steers it (graft_tk.policy.StepPolicy)
+    config: str | None = None        # one of Plan.configs by name (None: the plan's config)
 
 
-def cold_decode(target: Model, drafter: Model | Eagle3Head | None, method: str, config: GraftConfig | None,
+BENCH_COMPILE_MODES = {"off": (Compile.OFF,), "drafter": (Compile.DRAFTER,), "on": (Compile.ON,),
+                       "both": (Compile.OFF, Compile.ON)}       # graft-bench --compile -> Plan.compile
+ADAPTIVE_MODES = {"off": (False,), "on": (True,), "both": (False, True)}   # --adaptive -> Plan.adaptive
+
+
+def cold_decode(target: Model, drafter: Model | Eagle3Head | None, method: str, config: GraftConfig,
                 ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-                seed: int = 0, top_p: float = 1.0, compile: bool | str = False) -> tuple[list[int], dict]:
-    """One decode from a fresh Engine (cold adjacency matrix, no state from earlier runs): (tokens, stats)."""
-    engine = Engine(target, drafter if METHODS[method].drafts else None, config, compile=compile)
-    r = decode(target, ids, method=method, drafter=drafter, config=config, engine=engine,
-               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, compile=compile)
+                seed: int = 0, top_p: float = 1.0, compile: Compile = Compile.OFF) -> tuple[list[int], dict]:
+    """One decode from a fresh engine (cold adjacency matrix, no state from earlier runs): (tokens, stats)."""
+    r = decode(target, ids, method=method, drafter=drafter, config=config, max_new_tokens=max_new_tokens,
+               temperature=temperature, top_p=top_p, seed=seed, compile=compile)
     return r.tokens, r.stats
 
 
@@ -174,7 +183,7 @@ def run(plan: Plan, on_run: Callable[[Prompt, str], None] | None = None) -> list
         # A compiled run decodes the whole first prompt: a drafter compiles a graph per kind of
         # forward (one pending token or several, one frontier row or several), and an 8-token
         # warm-up, one step, left some to compile inside a timed run (94 s on the Qwen pair).
-        compiled = plan.compile_scope(name) != "off"
+        compiled = plan.compile_scope(name) is not Compile.OFF
         tokens = plan.max_new_tokens if compiled else min(WARMUP_TOKENS, plan.max_new_tokens)
         t = time.perf_counter()
         _guarded(plan, name, encoded[0][1], tokens)
@@ -393,7 +402,7 @@ def build_report(plan: Plan, rows: list[dict], args: dict | None = None) -> dict
                    "quant": plan.target.quant, "drafter_quant": getattr(plan.drafter, "quant", None),
                    "methods": list(plan.methods), "max_new_tokens": plan.max_new_tokens,
                    "temperature": plan.temperature, "top_p": plan.top_p, "seed": plan.seed, "repeats": plan.repeats,
-                   "compile": plan.compile, "adaptive": plan.adaptive, "graft": asdict(plan.config),
+                   "compile": [c.value for c in plan.compile], "adaptive": list(plan.adaptive), "graft": asdict(plan.config),
                    "args": args or {}},
         "warmup_seconds": plan.warmup_seconds,
         "prompts": [{"id": p.id, "category": p.category} for p in plan.prompts],
