@@ -4,7 +4,7 @@
 
 Each round decodes ``TOKENS`` tokens of one HumanEval prompt from a fresh ``Engine`` (built in
 the untimed setup, so every round starts cold like graft-bench's runs). The dtype is bf16, the
-speed dtype (DESIGN.md §6); set GRAFT_TK_BENCH_DTYPE=fp32 to compare with exactness runs.
+speed dtype; set GRAFT_TK_BENCH_DTYPE=fp32 to compare with exactness runs.
 """
 import os
 

@@ -5,7 +5,7 @@ depth, drafter score, accepted?). A drafted node's score is its path log-probabi
 drafter; fitting a monotone (isotonic) map score -> P(accepted) turns scores into acceptance
 odds. Pruning at tau trades drafted nodes scoring below log(tau) for retrieval nodes, so the
 break-even tau is where a drafted node's expected acceptance falls to the acceptance rate of
-the retrieval nodes that would take its place (DESIGN.md §1, calibration).
+the retrieval nodes that would take its place.
 """
 from __future__ import annotations
 

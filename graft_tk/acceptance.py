@@ -1,7 +1,7 @@
 """How likely is a candidate node to be accepted? Online rates that the budget allocator ranks by.
 
 Every candidate of a step gets an estimate, and ``build_tree`` values each tree node by
-log P(its whole path is accepted) and gives the N - 1 places to the highest (DESIGN.md §1 step 5).
+log P(its whole path is accepted) and gives the N - 1 places to the highest.
 Each source keeps its own rates (``Rates``) and turns them into values for its candidates:
 
 * drafted node (``graft_tk.drafting``): P(its path accepted | drafter score), a monotone

@@ -38,7 +38,7 @@ def encode_prompt(model: Model, prompt: str | Sequence[int] | torch.Tensor, chat
             text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
             return tok.encode(text, add_special_tokens=False)
         return tok.encode(prompt, add_special_tokens=True)
-    return prompt.flatten().tolist() if isinstance(prompt, torch.Tensor) else list(prompt)   # checked by the engine
+    return prompt.flatten().tolist() if isinstance(prompt, torch.Tensor) else list(prompt)   # checked by RequestSpec
 
 
 def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter: Model | Eagle3Head | None = None,
@@ -76,22 +76,14 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
         small CPU.
     """
     m = as_method(method)
-    if engine is not None:
-        if engine.target is not target:
-            raise InputError(f"engine was built for {engine.target.name}, not {target.name}; pass the same target")
-        if backend != "auto" and resolve_backend(backend, target.device) != engine.runtime.ops.backend:
-            raise InputError(f"engine runs the {engine.runtime.ops.backend} backend, not {backend!r}; build "
-                             f"Engine(..., backend={backend!r}) or leave backend='auto'")
-        if Compile.of(compile) not in (Compile.OFF, engine.runtime.compile):
-            raise InputError(f"the engine was built with compile={engine.runtime.compile.value!r}; build "
-                             f"Engine(..., compile={compile!r})")
-        drafter, config = engine.drafter_model, engine.config
+    ids = encode_prompt(target, prompt, chat)
+    spec = RequestSpec.of(ids, m, max_new_tokens, Sampling(temperature, top_p, seed), target.config)
+    if engine is None:
+        config, config_source = resolve_config(target, drafter, m, config)
+        engine = Engine(target, drafter if m.drafts else None, config, backend, compile=compile)
     else:
-        check_drafter(target, drafter)
-    config, config_source = resolve_config(target, drafter, m, config, engine)
-    spec = RequestSpec.of(encode_prompt(target, prompt, chat), m, max_new_tokens, Sampling(temperature, top_p, seed),
-                          target.config)
-    engine = engine or Engine(target, drafter if m.drafts else None, config, backend, compile=compile)
+        check_engine(engine, target, backend, compile)
+        config_source = "engine"
     tokens, stats = engine.generate(spec, on_tokens)
     if m.speculates:
         stats["config"] = dataclasses.asdict(engine.config)
@@ -99,13 +91,25 @@ def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter
     return DecodeResult(tokens=tokens, text=target.tokenizer.decode(tokens), stats=stats)
 
 
-def resolve_config(target: Model, drafter: Model | Eagle3Head | None, method: Method, config: GraftConfig | None,
-                   engine: Engine | None) -> tuple[GraftConfig | None, str]:
-    """(config, where it came from): the engine's, the caller's, a calibration profile, or the default."""
+def check_engine(engine: Engine, target: Model, backend: str, compile: bool | str) -> None:
+    """An engine passed to ``decode`` must be this target's, on the backend and compile scope asked for."""
+    if engine.target is not target:
+        raise InputError(f"engine was built for {engine.target.name}, not {target.name}; pass the same target")
+    if backend != "auto" and resolve_backend(backend, target.device) != engine.runtime.ops.backend:
+        raise InputError(f"engine runs the {engine.runtime.ops.backend} backend, not {backend!r}; build "
+                         f"Engine(..., backend={backend!r}) or leave backend='auto'")
+    if Compile.of(compile) not in (Compile.OFF, engine.runtime.compile):
+        raise InputError(f"the engine was built with compile={engine.runtime.compile.value!r}; build "
+                         f"Engine(..., compile={compile!r})")
+
+
+def resolve_config(target: Model, drafter: Model | Eagle3Head | None, method: Method, config: GraftConfig | None
+                   ) -> tuple[GraftConfig, str]:
+    """(config, where it came from): the caller's, a calibration profile, or the default; the
+    drafter checked first (a bad one is an InputError, before any profile is read)."""
+    check_drafter(target, drafter)
     if not method.speculates:
         return config or GraftConfig(), "none (ar)"
-    if engine is not None:
-        return config, "engine"
     if config is not None:
         return config, "explicit"
     if method.drafts and isinstance(drafter, Eagle3Head) and drafter.path is None:

@@ -180,11 +180,21 @@ def expand(request: DraftRequest, root_logits: Tensor, catch_up: int, frontier_f
     return DraftPool(tokens, parents, scores, depth, slots, n, depths, tuple(widths))
 
 
-class _CacheRows:
-    """Per-row cache bookkeeping shared by the drafters: how many committed entries each row's
-    cache holds (``kv_len``), the trash slot, moving a row."""
+@dataclass
+class CatchUp:
+    """One forward over each row's entries its cache has not seen, left-aligned in [B, T]."""
+    at: Tensor       # int64 [B, T]: each entry's cache slot (padding: past the row's entries)
+    real: Tensor     # bool [B, T]: a real entry, not padding
+    plan: AttentionPlan   # writes to ``at`` (padding to the trash slot), causal over each row's cache
+    last: Tensor     # int64 [B]: each row's last real entry (its logits start the tree)
 
-    def _init_rows(self) -> None:
+
+class CachedDrafter:
+    """What the drafters share: a cache row per batch row, how many committed entries each holds
+    (``kv_len``), the trash slot padding writes to, moving a row, and the catch-up forward."""
+
+    def __init__(self, net: nn.Module):
+        self.net = net
         self.kv_len: list[int] = []
 
     def reserve(self, rows: int, slots: int) -> None:
@@ -199,16 +209,26 @@ class _CacheRows:
         self.net.kv[:, :, dst] = self.net.kv[:, :, src]
         self.kv_len[dst] = self.kv_len[src]
 
+    def catch_up(self, counts: list[int], device) -> CatchUp:
+        """The layout of one forward over ``counts[b]`` new entries of each row b, after its ``kv_len``."""
+        kv_len, T = self.kv_len[:len(counts)], max(counts)
+        start = torch.tensor(kv_len, device=device)
+        n = torch.tensor(counts, device=device)
+        at = start[:, None] + torch.arange(T, device=device)
+        real = at < (start + n)[:, None]
+        plan = AttentionPlan(torch.where(real, at, self.trash_slot), start, None, max(kv_len) + T)
+        return CatchUp(at, real, plan, (n - 1).clamp(min=0))
 
-class ModelDrafter(_CacheRows):
+
+class ModelDrafter(CachedDrafter):
     """A small drafter model with the target's tokenizer (its own KV cache, kept across steps)."""
     target_layers = None
 
     def __init__(self, model: Model, compile: bool = False):
-        self.model, self.net = model, model.net
+        super().__init__(model.net)
+        self.model = model
         self.step = StepForward(model.net, compile, dynamic=True)   # its forwards change width
         self._drafted = False    # this step drafted: its commit moves the accepted nodes' KV
-        self._init_rows()
 
     def start(self, row: int, prompt: Tensor, features: Tensor | None, ops: Ops) -> None:
         n = prompt.shape[0]
@@ -218,19 +238,13 @@ class ModelDrafter(_CacheRows):
 
     def draft(self, request: DraftRequest, ops: Ops) -> DraftPool:
         B, device = len(request.length), request.context.device
-        kv_len = self.kv_len[:B]
-        pending = [n - k if a else 0 for n, k, a in zip(request.length, kv_len, request.active)]
-        T = max(pending)
-        start = torch.tensor(kv_len, device=device)
-        i = torch.arange(T, device=device)
-        real = i < torch.tensor(pending, device=device)[:, None]
-        at = start[:, None] + i
-        tokens = request.context.gather(1, at.clamp(max=request.context.shape[1] - 1)).masked_fill(~real, 0)
-        plan = AttentionPlan(torch.where(real, at, self.trash_slot), start, None, max(kv_len) + T)
-        last = (torch.tensor(pending, device=device) - 1).clamp(min=0)
+        # catch-up: the committed tokens each drafting row's cache has not seen, the root last
+        pending = [n - k if a else 0 for n, k, a in zip(request.length, self.kv_len, request.active)]
+        up = self.catch_up(pending, device)
+        tokens = request.context.gather(1, up.at.clamp(max=request.context.shape[1] - 1)).masked_fill(~up.real, 0)
         self._drafted = True
         with self.net.cache_rows(0, B):
-            root_logits = self.step(tokens, at.clamp(max=self.trash_slot), plan, logits_at=last,
+            root_logits = self.step(tokens, up.at.clamp(max=self.trash_slot), up.plan, logits_at=up.last,
                                     attention=ops.tree_attention)
             for b, a in enumerate(request.active):
                 if a:
@@ -239,8 +253,8 @@ class ModelDrafter(_CacheRows):
             def frontier(tokens, parent_rows, positions, plan):
                 return self.step(tokens, positions, plan, attention=ops.tree_attention)
 
-            return expand(request, root_logits, T, frontier, torch.tensor(request.length, device=device) - 1,
-                          self.trash_slot, ops)
+            return expand(request, root_logits, max(pending), frontier,
+                          torch.tensor(request.length, device=device) - 1, self.trash_slot, ops)
 
     def commit(self, path: Tensor, n_path: list[int], path_slots: list[list[int]], node_slots: Tensor,
                features: Tensor | None, ops: Ops) -> None:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .drafting import DraftPool, DraftRequest, _CacheRows, expand
-from .models.attention import AttentionPlan
+from .drafting import CachedDrafter, DraftPool, DraftRequest, expand
 from .models.eagle3 import Eagle3Head
 from .ops import Ops
 
 
-class Eagle3Drafter(_CacheRows):
+class Eagle3Drafter(CachedDrafter):
     """An EAGLE-3 head drafting from the target's fused features (see the module docstring).
 
     Head cache slot j holds entry j = (target features of committed x_j, token x_{j+1}), RoPE
@@ -25,10 +24,10 @@ class Eagle3Drafter(_CacheRows):
     """
 
     def __init__(self, head: Eagle3Head):
-        self.head = self.net = head
+        super().__init__(head)
+        self.head = head
         self.target_layers = tuple(head.target_layers)
         self.pending: list[Tensor | None] = []   # per row: target features of committed[kv_len:], not yet run
-        self._init_rows()
 
     def reserve(self, rows: int, slots: int) -> None:
         super().reserve(rows, slots)
@@ -50,27 +49,20 @@ class Eagle3Drafter(_CacheRows):
 
     def draft(self, request: DraftRequest, ops: Ops) -> DraftPool:
         head, B, device = self.head, len(request.length), request.context.device
-        kv_len = self.kv_len[:B]
         counts = [self.pending[b].shape[0] if a else 0 for b, a in enumerate(request.active)]
-        T = max(counts)
-        width = head.config.fused_size
-        feats = torch.zeros(B, T, width, dtype=head.fc.weight.dtype, device=device)
+        kv_len, T = self.kv_len[:B], max(counts)
+        feats = torch.zeros(B, T, head.config.fused_size, dtype=head.fc.weight.dtype, device=device)
         for b, c in enumerate(counts):
             if c:
                 feats[b, :c] = self.pending[b]
-        start = torch.tensor(kv_len, device=device)
-        i = torch.arange(T, device=device)
-        real = i < torch.tensor(counts, device=device)[:, None]
-        at = start[:, None] + i
-        tokens = request.context.gather(1, (at + 1).clamp(max=request.context.shape[1] - 1)).masked_fill(~real, 0)
-        plan = AttentionPlan(torch.where(real, at, self.trash_slot), start, None, max(kv_len) + T)
-        last = (torch.tensor(counts, device=device) - 1).clamp(min=0)
+        up = self.catch_up(counts, device)      # entry j pairs features of x_j with token x_{j+1}
+        tokens = request.context.gather(1, (up.at + 1).clamp(max=request.context.shape[1] - 1)).masked_fill(~up.real, 0)
         state = {}
         with head.cache_rows(0, B):
             # Logits over the head's draft vocabulary (often ~32k of 152k tokens): ranked there, the
             # K winners mapped to tokens (``expand``'s vocab_map), never scattered into a target-wide row.
-            logits, state["hidden"] = head(tokens, at.clamp(max=self.trash_slot), plan, logits_at=last, features=feats,
-                                           attention=ops.tree_attention, draft_vocab=True)
+            logits, state["hidden"] = head(tokens, up.at.clamp(max=self.trash_slot), up.plan, logits_at=up.last,
+                                           features=feats, attention=ops.tree_attention, draft_vocab=True)
             root_slot = torch.tensor([k + c - 1 for k, c in zip(kv_len, counts)], device=device)
             for b, c in enumerate(counts):
                 if c:

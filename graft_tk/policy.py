@@ -143,9 +143,10 @@ class Controllers(StepController):
 
 class StepPolicy(StepController):
     """Drafting, its depth threshold and the verify's width per step (see the module docstring);
-    lives as long as its state. ``draft_rates``: the drafter's rates by score bucket to start
-    from (host floats, refreshed by every step it steers); ``fixed_width``: the verify keeps N (a
-    compiled target: every new width would compile a graph)."""
+    lives as long as its state. ``draft_rates``: the drafter's rates by score bucket (host floats,
+    read back by every step it steers; None before the first: the configured tau is the
+    threshold); ``fixed_width``: the verify keeps N (a compiled target: every new width would
+    compile a graph)."""
     wants_draft_rates = True
 
     def __init__(self, cost: StepCost, top_k: int, budget: int = 16, draft_rates: list[float] | None = None,
@@ -173,11 +174,11 @@ class StepPolicy(StepController):
         gain, spent = self.drafted_accepted / self.drafting_steps, self.drafting_ms / self.drafting_steps
         return gain >= self.rate * spent or self.steps_without_drafting + 1 >= EXPLORE_EVERY
 
-    def depth_log_tau(self, draft_rates: list[float], edges: tuple[float, ...], log_tau_bound: float) -> float:
+    def depth_log_tau(self, draft_rates: list[float] | None, edges: tuple[float, ...], log_tau_bound: float) -> float:
         """The step's drafting threshold: the lowest score whose estimated acceptance pays for a
         drafter forward of K nodes and its own verify row (``draft_rates`` [B], non-decreasing, per
         bucket of ``edges``; bucket b holds scores in (edges[b - 1], edges[b]]); +inf when no score does."""
-        if not self.cost.draft_ms:
+        if not self.cost.draft_ms or draft_rates is None:
             return log_tau_bound
         p_min = self.rate * (self.cost.draft(self.top_k) + self.row_ms)
         for b, r in enumerate(draft_rates):

@@ -68,12 +68,12 @@ class Runtime:
     @classmethod
     def build(cls, target: Model, drafter: Model | Eagle3Head | Drafter | None = None, backend: str = "auto",
               compile: bool | str | Compile = False, count_torch_ops: bool = False) -> "Runtime":
-        compile = Compile.of(compile)
         check_drafter(target, drafter)
+        compile = Compile.of(compile)
         drafter = as_drafter(drafter, compile.drafter)
+        kv = KVPool(target.net, drafter)
         return cls(target, StepForward(target.net, compile.target), drafter,
-                   ops_for(resolve_backend(backend, target.device), target.device), compile,
-                   KVPool(target.net, drafter), count_torch_ops)
+                   ops_for(resolve_backend(backend, target.device), target.device), compile, kv, count_torch_ops)
 
     @property
     def device(self) -> torch.device:

@@ -34,11 +34,11 @@ class SpecState:
         # The grafted sources in graft order, created as the first request that uses each arrives (``admit``).
         self.sources: list[CandidateSource] = []
         self.cand_parents = torch.zeros(0, dtype=torch.int32, device=device)   # their layouts, concatenated
-        self.draft_rates = DraftRates(priors.draft if priors else None, device)   # P(accepted | drafter score)
         # With the device's cost model: drafting and the verify's width by expected gain per ms.
-        self.policy = (StepPolicy(config.cost, config.top_k, config.budget, host_read(self.draft_rates.rate()),
-                                  fixed_width) if config.cost is not None else None)
+        self.policy = (StepPolicy(config.cost, config.top_k, config.budget, fixed_width=fixed_width)
+                       if config.cost is not None else None)
         self.gate = DraftGate()   # no drafting where the free sources already propose
+        self.draft_rates = DraftRates(priors.draft if priors else None, device)   # P(accepted | drafter score)
         # Set to a list to record, per verified node, (source code, depth, drafter score, accepted?):
         # graft-calibrate fits its score -> acceptance map from it. None: off (a host read per step).
         self.acceptance_log: list[tuple[int, int, float, bool]] | None = None

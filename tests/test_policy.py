@@ -16,7 +16,9 @@ from graft_tk.decode import encode_prompt
 from graft_tk.engine import Engine
 from graft_tk.errors import CorruptFileError, InputError
 from graft_tk.methods import METHODS
-from graft_tk.policy import EXPLORE_EVERY, DraftGate, StepPolicy
+from graft_tk.ops import ops_for
+from graft_tk.policy import EXPLORE_EVERY, DraftGate, Observation, StepPlan, StepPolicy
+from graft_tk.state import FIXED, SpecState
 from graft_tk.profiles import profile_key, read_profile, write_profile
 
 from .conftest import real_prompts
@@ -132,6 +134,36 @@ def test_the_gate_takes_the_faster_of_drafting_or_not_with_a_prompt_lookup_match
         gate.count(committed=6 if picks[-1] else 5, seconds=0.6 if picks[-1] else 0.2, drafted=picks[-1])
     assert picks.count(True) == 2                 # the other arm tried every EXPLORE_EVERY-th step
     assert gate.drafts(free=0.0)                  # without a match drafting is faster (10 vs 5 tokens/s)
+
+
+def test_the_fixed_plan_follows_the_config_and_each_rows_method():
+    config = GraftConfig(budget=3, max_depth=6, top_k=4, tau=0.5)
+    plan = StepPlan.fixed([METHODS["ar"], METHODS["graft"], METHODS["tree"], METHODS["pld"]], config)
+    assert (plan.budget, plan.depth, plan.top_k) == (3, 2, 2)     # no deeper or wider than 3 nodes verify
+    assert plan.drafts == (False, True, True, False) and plan.drafting
+    assert plan.log_tau == (-math.inf, math.log(0.5), -math.inf, -math.inf)    # only graft prunes
+    alone = StepPlan.fixed([METHODS["ar"]], config)
+    assert alone.budget == 1 and not alone.drafting            # plain decoding: the root alone
+
+
+def test_the_state_chooses_a_requests_controllers_and_a_batch_runs_its_config():
+    state = SpecState(GraftConfig(cost=STEEP), ops_for("torch", "cpu"), "cpu", vocab_size=64)
+    plain = SpecState(GraftConfig(), ops_for("torch", "cpu"), "cpu", vocab_size=64)
+    for s in (state, plain):
+        s.admit(METHODS["graft+pld"])
+    assert state.controller([METHODS["graft+pld"]]).parts == (state.gate, state.policy)   # prompt lookup signals
+    assert state.controller([METHODS["graft"]]).parts == (state.policy,)
+    assert plain.controller([METHODS["graft+pld"]]).parts == (plain.gate,)
+    assert plain.controller([METHODS["graft"]]) is FIXED
+    assert state.controller([METHODS["tree"]]) is FIXED                            # it does not prune
+    assert state.controller([METHODS["graft+pld"]] * 2) is FIXED                   # a batch: its config
+    # the gate reads the free sources' signal only when the row would draft, and learns only then
+    gate, plan = DraftGate(), StepPlan.fixed([METHODS["graft+pld"]], GraftConfig())
+    assert gate.plan(plan, torch.tensor([5.0])).drafts == (True,)     # drafting first, in each situation
+    gate.observe(plan, Observation(6, 0.6, 16, (4,), True, 5, 8))
+    assert gate.plan(plan, torch.tensor([5.0])).drafts == (False,)    # then once without
+    undrafted = dataclasses.replace(plan, drafts=(False,))
+    assert gate.plan(undrafted, torch.tensor([5.0])) is undrafted and gate.seconds[1][0] == 0.0
 
 
 def test_graft_pld_skips_the_drafter_where_prompt_lookup_proposes_and_equals_ar(smollm2, self_drafter):

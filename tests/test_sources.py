@@ -1,8 +1,5 @@
 """Sources are plug-ins: one registered from this test module decodes losslessly beside the built-in
 ones, alone and in a batch, and the step, the batch and the engine never name a source."""
-import re
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -94,12 +91,3 @@ def test_registering_a_bad_source_names_the_problem():
         class Other(FirstMatch):
             name = "other_source"
         register(Other, before="nope")
-
-
-def test_the_step_the_batch_and_the_engine_name_no_source():
-    root = Path(graft_tk.__file__).parent
-    names = [n for n in registered()]
-    for module in ("step.py", "batch.py", "engine.py"):
-        text = (root / module).read_text()
-        found = [n for n in names if re.search(rf"\b{n}\b", text)]
-        assert not found, (module, found)

@@ -10,7 +10,7 @@ from graft_tk.engine import Engine
 from graft_tk.methods import METHODS
 t = graft_tk.load_model("qwen2.5-coder-1.5b", dtype="bf16", progress=False)
 d = graft_tk.load_model("qwen2.5-coder-0.5b", dtype="bf16", progress=False)
-cfg, _ = resolve_config(t, d, METHODS["graft"], None, None)
+cfg, _ = resolve_config(t, d, METHODS["graft"], None)
 prompts = ["Write a Python function that checks whether a string is a palindrome, with tests.",
            "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May? Think step by step.",
            "Summarize: The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again. Then the dog wakes up and the fox runs away."]
@@ -22,7 +22,7 @@ for p in prompts:
     with torch.inference_mode():
         req = batch.add(ids, "graft", 64)
         while len(batch):
-            M = e.adjacency.matrix.clone()
+            M = e.state.source("adjacency").matrix.clone()
             before = list(ids) + req.out
             n0 = len(req.out)
             batch.step()

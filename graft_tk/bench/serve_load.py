@@ -29,10 +29,12 @@ import multiprocessing
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import graft_tk
 from graft_tk._fs import atomic_write_text
 from graft_tk.cli._models import default_drafter, load_drafter
+from graft_tk.compiled import Compile
 from graft_tk.profiles import batch_policy
 from graft_tk.methods import METHODS
 from graft_tk.models.quant import cpu_drafter_quant
@@ -42,17 +44,24 @@ from graft_tk.server.app import serving_in_thread
 from graft_tk.server.metrics import Metrics
 from graft_tk.server.scheduler import Scheduler
 
-COMPILE_DRAFTER = ":compile-drafter"     # "<method>:compile-drafter": served with --compile drafter
+COMPILE_DRAFTER = "compile-drafter"     # "<method>:compile-drafter": served with --compile drafter
 
 
-def method_of(name: str) -> str:
-    """The decoding method of a run name (without its compile suffix)."""
-    return name.removesuffix(COMPILE_DRAFTER)
+@dataclass(frozen=True)
+class Served:
+    """One server configuration of the run: its label, the method it serves, what it compiles."""
+    name: str
+    method: str
+    compile: Compile = Compile.OFF
 
-
-def compile_of(name: str) -> str:
-    """What a run compiles (graft_tk.compiled.COMPILE_SCOPES)."""
-    return "drafter" if name.endswith(COMPILE_DRAFTER) else "off"
+    @classmethod
+    def parse(cls, name: str) -> "Served":
+        """``<method>`` or ``<method>:compile-drafter`` (ValueError naming what is wrong)."""
+        method, _, option = name.partition(":")
+        if method not in METHODS or option not in ("", COMPILE_DRAFTER) or option and not METHODS[method].drafts:
+            raise ValueError(f"unknown method {name!r}: choose from {', '.join(METHODS)} "
+                             f"(':{COMPILE_DRAFTER}' on one that drafts)")
+        return cls(name, method, Compile.DRAFTER if option else Compile.OFF)
 
 
 def run_client(urls: list[str], prompts: list[str], c: int, per_client: int, max_tokens: int
@@ -127,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--drafter", default=None, help="default: the model's registered drafter")
     p.add_argument("--methods", default="ar,graft",
-                   help=f"comma list; '<method>{COMPILE_DRAFTER}' serves it with its drafter compiled")
+                   help=f"comma list; '<method>:{COMPILE_DRAFTER}' serves it with its drafter compiled")
     p.add_argument("--batches", default="1,2,4,8", help="concurrent clients = max batch, each B in turn")
     p.add_argument("--prompts", default="humaneval#8")
     p.add_argument("--requests-per-cell", type=int, default=16,
@@ -136,35 +145,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--json", default=None, metavar="OUT")
     args = p.parse_args(argv)
-    methods, batches = args.methods.split(","), [int(b) for b in args.batches.split(",")]
-    unknown = [m for m in methods if method_of(m) not in METHODS
-               or compile_of(m) != "off" and not METHODS[method_of(m)].drafts]
-    if unknown:
-        p.error(f"unknown method(s) {unknown}: choose from {', '.join(METHODS)} ('{COMPILE_DRAFTER}' on one that drafts)")
+    batches = [int(b) for b in args.batches.split(",")]
+    try:
+        served = {name: Served.parse(name) for name in args.methods.split(",")}
+    except ValueError as e:
+        p.error(str(e))
+    methods = list(served)
     target = graft_tk.load_model(args.model, dtype=args.dtype)
     spec = args.drafter or default_drafter(args.model)
-    needs = any(METHODS[method_of(m)].drafts for m in methods)
+    needs = any(METHODS[s.method].drafts for s in served.values())
     quant = cpu_drafter_quant(target.device, target.dtype) or "none"     # graft-serve's default drafter
     drafter = load_drafter(spec, target, args.model, dtype=args.dtype, quant=quant) if needs else None
     texts = []
     for part in args.prompts.split(","):
         name, _, n = part.partition("#")
         texts += [q.text for q in load_prompts(name)[:int(n) if n else None]]
-    for name in methods:   # untimed: the first forwards of each shape in a process are slow
-        d = drafter if METHODS[method_of(name)].drafts else None
-        graft_tk.decode(target, encode_prompt(target, texts[0], chat=True), drafter=d, method=method_of(name),
+    for s in served.values():   # untimed: the first forwards of each shape in a process are slow
+        d = drafter if METHODS[s.method].drafts else None
+        graft_tk.decode(target, encode_prompt(target, texts[0], chat=True), drafter=d, method=s.method,
                         max_new_tokens=8)
 
     def server(name: str, B: int) -> tuple[Scheduler, str]:
-        method = method_of(name)
+        method = served[name].method
         d = drafter if METHODS[method].drafts else None
-        config, source = resolve_config(target, d, METHODS[method], None, None)
+        config, source = resolve_config(target, d, METHODS[method], None)
         policy = batch_policy(target, d, B) if method != "ar" else {}
         if policy:
             source += "; by batch size " + ", ".join(f"{b}: N={c.budget} tau={c.tau:.3g} D={c.max_depth}"
                                                      for b, c in policy.items())
         scheduler = Scheduler(target, d, method, config, max_queue=256, metrics=Metrics(), max_batch=B,
-                              policy=policy, compile=compile_of(name))
+                              policy=policy, compile=served[name].compile)
         scheduler.warm_up()     # untimed, as graft-serve compiles before it opens its port
         return scheduler, source
 
@@ -198,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.requests_per_cell):
             ids = encode_prompt(target, texts[i % len(texts)], chat=True)
             for name in (methods if i % 2 == 0 else methods[::-1]):
-                d = drafter if METHODS[method_of(name)].drafts else None
+                s = served[name]
+                d = drafter if METHODS[s.method].drafts else None
                 t = time.perf_counter()
-                tokens[name] += len(graft_tk.decode(target, ids, drafter=d, method=method_of(name),
-                                                    max_new_tokens=args.max_tokens, compile=compile_of(name)).tokens)
+                tokens[name] += len(graft_tk.decode(target, ids, drafter=d, method=s.method,
+                                                    max_new_tokens=args.max_tokens, compile=s.compile).tokens)
                 seconds[name] += time.perf_counter() - t
         single = {m: tokens[m] / seconds[m] for m in methods}
     lines = ["| B | method | requests/s | output tok/s | vs ar | p50 latency s | p95 latency s | peak batch "

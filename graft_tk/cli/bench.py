@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nnote: anchor {name} {s['status']}: {s['error']}", file=sys.stderr)
     if report["config"]["dtype"] != "float32" and args.temperature == 0 and _mismatches(report["summary"]):
         print("\nnote: in bf16/fp16 a batched verification can flip a near-tie, so outputs may drift from ar's; "
-              "judge exactness with --dtype fp32 (DESIGN.md §6)", file=sys.stderr)
+              "judge exactness with --dtype fp32", file=sys.stderr)
     m = report["machine"]
     quant = "" if report["config"]["quant"] == "none" else f" ({report['config']['quant']})"
     print(f"\n{report['config']['target']} + {report['config']['drafter']}, {report['config']['dtype']}{quant}, "

