@@ -4,35 +4,29 @@
 forward. Compiled, it runs that forward under ``torch.compile(fullgraph=True)`` with the plan's
 key bound set to the whole static cache, so no shape and no Python value depends on the context
 length. A target's graph is specialised to its first shape (a one-token ``ar`` step, the verify at
-the batch's shape) and made symbolic in a size once that changes (dynamo's automatic dynamic; on a
-2-core Zen 4 the int4 target's symbolic graph ran 3 rows in 72.7 ms, per-width static graphs in
-74.0). A drafter, whose forwards change width (the committed tokens it has not seen, the frontier),
-is compiled with symbolic sizes (``dynamic``) from the start, and so reads only the keys of its
-context (the plan's bound): one graph serves every context length. On a CPU the graphs compile
-with inductor's ``freezing`` (the weights become constants, float ones packed for oneDNN) and,
-for a model with quantized weights, GEMM autotuning (``max_autotune_gemm``): for every linear
-layer and call width inductor times its C++ GEMM templates — AMX / AVX-512 micro-kernels that
-unpack int4 / int8 weights in registers, flat in the number of rows where torch's packed
-weight-only kernels loop over them — against the aten kernel, and keeps the faster (its choices
-are cached in inductor's cache folder). A float model skips the search: oneDNN's packed GEMM is
-its fast path, and rendering the templates would add minutes per graph. Both are config values
-read while a graph compiles, so they are set around every call (``torch.compile(options=...)``
-does not switch freezing on). On CUDA the graph is captured in a CUDA graph
-(``mode="reduce-overhead"``). A prompt's prefill (``StepForward.prefill``) runs eagerly, except
-for a quantized model compiled on a CPU with AMX: torch's eager int4 / int8 kernels loop over rows
-(a 128-token prefill of the int4 1.5B target took 1.8 s), so its prompt runs in fixed chunks of
-``PREFILL_CHUNK`` tokens through one more graph, whose GEMMs are inductor's AMX templates, flat in
-the rows (0.37 s; the last chunk padded, its padding's K/V land past the prompt, where later tokens
-overwrite them before anything reads them). Without AMX the templates unpack the weights for every
-4 rows and the chunks cost more than the eager loop (a 2-core Zen 4, 150 tokens: the int4 target
-3.24 s chunked against 2.29 s eager, the int4-all drafter 0.94 against 0.73 s), so there the
-prefill stays eager.
+the batch's shape) and made symbolic in a size once that changes (dynamo's automatic dynamic). A
+drafter, whose forwards change width (the committed tokens it has not seen, the frontier), is
+compiled with symbolic sizes (``dynamic``) from the start, and so reads only the keys of its
+context (the plan's bound): one graph serves every context length.
 
-Compilation happens once per model and shape in a process (``compiled_forward`` keeps them), and
-takes minutes on a small CPU: it pays off over long generations and servers, not one short call.
-``compile="drafter"`` compiles only a drafter model's forwards (the target's stay eager): on a
-2-core CPU the int4 drafter compiles in ~2 minutes cold (its graphs then load from inductor's
-cache in 15-40 s) and runs 1.3-1.4x faster, where the target's graphs would take many minutes.
+On a CPU the graphs compile with inductor's ``freezing`` (the weights become constants, float
+ones packed for oneDNN) and, for a model with quantized weights, GEMM autotuning
+(``max_autotune_gemm``): for every linear layer and call width inductor times its C++ GEMM
+templates (micro-kernels that unpack int4 / int8 weights in registers, flat in the number of rows
+where torch's packed weight-only kernels loop over them) against the aten kernel and keeps the
+faster, caching its choices. A float model skips the search: oneDNN's packed GEMM is its fast
+path. Both are config values read while a graph compiles, so they are set around every call
+(``torch.compile(options=...)`` does not switch freezing on). On CUDA the graph is captured in a
+CUDA graph (``mode="reduce-overhead"``).
+
+A prompt's prefill (``StepForward.prefill``) runs eagerly, except for a quantized model compiled
+on a CPU with AMX: there the eager int4 / int8 kernels loop over the prompt's rows, so the prompt
+runs in fixed chunks of ``PREFILL_CHUNK`` tokens through one more graph whose GEMMs are flat in
+the rows (the last chunk padded: its padding's K/V land past the prompt, where later tokens
+overwrite them before anything reads them). Without AMX the templates cost more than the eager
+loop, so the prefill stays eager. Compilation happens once per model and shape in a process
+(``compiled_forward`` keeps them) and takes minutes on a small CPU; ``Compile.DRAFTER`` compiles
+only a drafter model's forwards. The measurements behind each choice: docs/roofline.md.
 """
 from __future__ import annotations
 
