@@ -264,7 +264,7 @@ def run_batch(task: Task, method: str, config: GraftConfig | None, encoded: list
 def reference_outputs(task: Task, prompts: list[Prompt]) -> tuple[list[list[int]], list[list[int]], list[float]]:
     """(encoded prompts, ar outputs, ar tokens/s): the exactness bar and the speed baseline
     (batched: one figure, the batch's output tokens/s under ar)."""
-    encoded = [encode_prompt(task.target, p.text, chat=True) for p in prompts]
+    encoded = [encode_prompt(task.target, p.chat, chat=True) for p in prompts]
     context = task.target.config.max_position_embeddings
     for p, ids in zip(prompts, encoded):
         if len(ids) + task.max_new_tokens + 64 > context:
@@ -295,7 +295,7 @@ def learn_priors(target: Model, drafter: Model | Eagle3Head | None, method: str,
     for i, prompt in enumerate(prompts):
         if progress:
             progress(f"acceptance priors: prompt {i + 1}/{len(prompts)} ({prompt.id})")
-        decode(target, encode_prompt(target, prompt.text, chat=True), method=method, engine=engine,
+        decode(target, encode_prompt(target, prompt.chat, chat=True), method=method, engine=engine,
                max_new_tokens=max_new_tokens)
     return engine.state.learnt_priors()
 

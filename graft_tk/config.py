@@ -20,6 +20,11 @@ class GraftConfig:
     # (): retrieval at the root only
     tip_template: tuple[int, ...] = (2, 1, 1)
     warm_from_prefill: bool = True  # fill M from the prompt's logits before the first step
+    # A drafter model reads the first ``drafter_sink`` tokens and the last ``drafter_window`` of a
+    # prompt (None: all of it): a long prompt is the target's to read, the drafter's proposals are
+    # verified (a window costs acceptance, never output).
+    drafter_window: int | None = None
+    drafter_sink: int = 4
     pld_tokens: int = 10    # prompt-lookup chain length (the *pld methods)
     pld_max_ngram: int = 3  # longest suffix n-gram looked up (down to 1)
     # suffix decoding (the *suffix methods, graft_tk.sources.suffix): the longest suffix matched,
@@ -52,6 +57,10 @@ class GraftConfig:
             value = getattr(self, name)
             _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                    f"{name} must be an int >= 1, got {value!r}")
+        _check(self.drafter_window is None or (isinstance(self.drafter_window, int) and self.drafter_window >= 1),
+               f"drafter_window must be None (the whole prompt) or an int >= 1, got {self.drafter_window!r}")
+        _check(isinstance(self.drafter_sink, int) and self.drafter_sink >= 0,
+               f"drafter_sink must be an int >= 0, got {self.drafter_sink!r}")
         _check(all(isinstance(s, int) and s >= 1 for s in self.tip_template),
                f"tip_template must be a tuple of positive level sizes (or empty), got {self.tip_template!r}")
         object.__setattr__(self, "template", tuple(self.template))

@@ -28,26 +28,38 @@ class DecodeResult:
     stats: dict = field(default_factory=dict)
 
 
-def encode_prompt(model: Model, prompt: str | Sequence[int] | torch.Tensor, chat: bool) -> list[int]:
-    """A string (chat template applied when ``chat`` and the model has one) or token ids -> ids."""
+def encode_prompt(model: Model, prompt: str | Sequence[int] | Sequence[dict] | torch.Tensor, chat: bool) -> list[int]:
+    """A string (chat template applied when ``chat`` and the model has one), a conversation (a list
+    of ``{"role", "content"}`` messages, the last the user's: always through the chat template) or
+    token ids -> ids."""
+    tok = model.tokenizer
     if isinstance(prompt, str):
         if not prompt.strip():
             raise InputError("the prompt is empty; pass some text or token ids")
-        tok = model.tokenizer
         if chat and tok.chat_template is not None:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            return tok.encode(text, add_special_tokens=False)
-        return tok.encode(prompt, add_special_tokens=True)
+            prompt = [{"role": "user", "content": prompt}]
+        else:
+            return tok.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        bad = [m for m in prompt if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str))]
+        if bad or prompt[-1]["role"] != "user":
+            raise InputError("a conversation is a list of {'role': str, 'content': str} messages ending with the "
+                             f"user's; got e.g. {(bad or prompt)[-1]!r}")
+        text = tok.apply_chat_template(list(prompt), add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
     return prompt.flatten().tolist() if isinstance(prompt, torch.Tensor) else list(prompt)   # checked by RequestSpec
 
 
-def decode(target: Model, prompt: str | Sequence[int] | torch.Tensor, *, drafter: Model | Eagle3Head | None = None,
+def decode(target: Model, prompt: str | Sequence[int] | Sequence[dict] | torch.Tensor, *,
+           drafter: Model | Eagle3Head | None = None,
            method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
            seed: int | None = None, chat: bool = True, config: GraftConfig | None = None,
            engine: Engine | None = None, on_tokens: Callable[[list[int]], bool | None] | None = None,
            backend: str = "auto", compile: bool | str = False) -> DecodeResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` with ``target``.
 
+    prompt: text, a conversation (``[{"role": "user", "content": ...}, ...]``, the chat template
+        applied) or token ids.
     method: "ar" (plain decoding), or a speculative method at budget ``config.budget``:
         "tree" (drafter only, fixed depth), "pruned" (drafter, dynamic depth), "retrieval"
         (adjacency matrix only), "graft" (pruned drafter tree + adjacency-matrix candidates in the

@@ -110,14 +110,15 @@ class Drafter(Protocol):
 
 
 def expand(request: DraftRequest, root_logits: Tensor, catch_up: int, frontier_forward: Callable,
-           root_slot: Tensor, trash_slot: int, ops: Ops, vocab_map: Tensor | None = None) -> DraftPool:
+           root_slot: Tensor, context_slots: int, trash_slot: int, ops: Ops, vocab_map: Tensor | None = None
+           ) -> DraftPool:
     """Grow every active row's tree from its root's logits ``root_logits`` [B, 1, V] (a catch-up
     forward of ``catch_up`` tokens per row) up to D depths; see the module docstring.
 
     ``frontier_forward(tokens [B, K], parent_rows [B, K], positions [B, K], plan)`` runs a depth's
     frontier (``parent_rows``: each node's parent's row in the previous forward) and returns its
-    logits [B, K, V]. ``root_slot`` [B]: each row's root slot; its scratch slots follow; rows that
-    do not expand write to ``trash_slot``.
+    logits [B, K, V]. ``root_slot`` [B]: each row's root slot; its scratch slots follow;
+    ``context_slots`` (host): the largest root slot + 1; rows that do not expand write to ``trash_slot``.
     ``vocab_map`` [V']: the logits are over a drafter vocabulary and entry i is the token of its id
     i (an EAGLE-3 head's ``draft_ids``): the K best of each row are ranked there and only they are mapped.
     """
@@ -169,7 +170,7 @@ def expand(request: DraftRequest, root_logits: Tensor, catch_up: int, frontier_f
         block[:, torch.arange(K, device=device), j] = True
         anc.index_copy_(1, j, block)
         plan = AttentionPlan.explicit(torch.where(rows[:, None], scratch0[:, None] + j, trash_slot), scratch0, block,
-                                      max(request.length) + L)
+                                      context_slots + L)
         positions = (root_slot + d - 1)[:, None].expand(-1, K)
         logits = frontier_forward(tokens.gather(1, frontier), child_par, positions, plan)
         frontier, frontier_scores, child_par, stop = grow(written, frontier_scores, logits, frontier, d, rows)
@@ -221,40 +222,61 @@ class CachedDrafter:
 
 
 class ModelDrafter(CachedDrafter):
-    """A small drafter model with the target's tokenizer (its own KV cache, kept across steps)."""
+    """A small drafter model with the target's tokenizer (its own KV cache, kept across steps).
+
+    With a ``window`` it reads only the first ``sink`` tokens and the last ``window`` of a prompt:
+    its cache holds the sink, the window and everything committed after the prompt, at
+    consecutive positions (what lies between is skipped, as StreamingLLM keeps an attention sink
+    and a recent window). A long prompt is the target's to read; the drafter's proposals are
+    verified, so what it does not read costs acceptance, never output."""
     target_layers = None
 
-    def __init__(self, model: Model, compile: bool = False):
+    def __init__(self, model: Model, compile: bool = False, window: int | None = None, sink: int = 4):
         super().__init__(model.net)
-        self.model = model
+        self.model, self.window, self.sink = model, window, sink
         self.step = StepForward(model.net, compile, dynamic=True)   # its forwards change width
+        self.skipped: list[int] = []   # per row: the prompt tokens between the sink and the window
         self._drafted = False    # this step drafted: its commit moves the accepted nodes' KV
+
+    def reserve(self, rows: int, slots: int) -> None:
+        super().reserve(rows, slots)
+        self.skipped += [0] * (rows - len(self.skipped))
+
+    def move_row(self, src: int, dst: int) -> None:
+        super().move_row(src, dst)
+        self.skipped[dst] = self.skipped[src]
 
     def start(self, row: int, prompt: Tensor, features: Tensor | None, ops: Ops) -> None:
         n = prompt.shape[0]
+        skipped = max(n - self.sink - self.window, 0) if self.window is not None else 0
+        kept = torch.cat([prompt[:self.sink], prompt[self.sink + skipped:]]) if skipped else prompt
         with self.net.cache_rows(row, row + 1):
-            self.step.prefill(prompt[None], attention=ops.tree_attention)     # as the target's prefill
-        self.kv_len[row] = n
+            self.step.prefill(kept[None], attention=ops.tree_attention)     # as the target's prefill
+        self.kv_len[row], self.skipped[row] = kept.shape[0], skipped
 
     def draft(self, request: DraftRequest, ops: Ops) -> DraftPool:
-        B, device = len(request.length), request.context.device
-        # catch-up: the committed tokens each drafting row's cache has not seen, the root last
-        pending = [n - k if a else 0 for n, k, a in zip(request.length, self.kv_len, request.active)]
+        B, device, context = len(request.length), request.context.device, request.context
+        ends = [n - s for n, s in zip(request.length, self.skipped)]     # each row's root slot + 1
+        # catch-up: the committed tokens each drafting row's cache has not seen, the root last;
+        # a slot past the sink holds the committed token ``skipped`` places further
+        pending = [e - k if a else 0 for e, k, a in zip(ends, self.kv_len, request.active)]
         up = self.catch_up(pending, device)
-        tokens = request.context.gather(1, up.at.clamp(max=request.context.shape[1] - 1)).masked_fill(~up.real, 0)
+        skipped = torch.tensor(self.skipped[:B], device=device)[:, None]
+        index = torch.where(up.at < self.sink, up.at, up.at + skipped).clamp(max=context.shape[1] - 1)
         self._drafted = True
         with self.net.cache_rows(0, B):
-            root_logits = self.step(tokens, up.at.clamp(max=self.trash_slot), up.plan, logits_at=up.last,
+            root_logits = self.step(context[:B].gather(1, index).masked_fill(~up.real, 0),
+                                    up.at.clamp(max=self.trash_slot), up.plan, logits_at=up.last,
                                     attention=ops.tree_attention)
             for b, a in enumerate(request.active):
                 if a:
-                    self.kv_len[b] = request.length[b]
+                    self.kv_len[b] = ends[b]
 
             def frontier(tokens, parent_rows, positions, plan):
                 return self.step(tokens, positions, plan, attention=ops.tree_attention)
 
-            return expand(request, root_logits, max(pending), frontier,
-                          torch.tensor(request.length, device=device) - 1, self.trash_slot, ops)
+            return expand(request, root_logits, max(pending), frontier, torch.tensor(ends, device=device) - 1,
+                          max(ends), self.trash_slot, ops)
 
     def commit(self, path: Tensor, n_path: list[int], path_slots: list[list[int]], node_slots: Tensor,
                features: Tensor | None, ops: Ops) -> None:

@@ -75,7 +75,8 @@ class Eagle3Drafter(CachedDrafter):
                     attention=ops.tree_attention, draft_vocab=True)
                 return lg
 
-            return expand(request, logits, T, frontier, root_slot, self.trash_slot, ops,
+            return expand(request, logits, T, frontier, root_slot, max(k + c for k, c in zip(kv_len, counts)),
+                          self.trash_slot, ops,
                           vocab_map=None if head.identity_vocab else head.draft_ids)
 
     def commit(self, path: Tensor, n_path: list[int], path_slots: list[list[int]], node_slots: Tensor,

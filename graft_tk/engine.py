@@ -34,7 +34,8 @@ class Engine:
         stats["torch_ops_per_step"])."""
         self.config = config = config or GraftConfig()
         self.drafter_model = drafter
-        self.runtime = Runtime.build(target, drafter, backend, compile, count_torch_ops)
+        self.runtime = Runtime.build(target, drafter, backend, compile, count_torch_ops, config.drafter_window,
+                                     config.drafter_sink)
         self.state = SpecState(config, self.runtime.ops, target.device, target.config.vocab_size,
                                fixed_width=self.runtime.compile.target)
 

@@ -67,10 +67,12 @@ class Runtime:
 
     @classmethod
     def build(cls, target: Model, drafter: Model | Eagle3Head | Drafter | None = None, backend: str = "auto",
-              compile: bool | str | Compile = False, count_torch_ops: bool = False) -> "Runtime":
+              compile: bool | str | Compile = False, count_torch_ops: bool = False, drafter_window: int | None = None,
+              drafter_sink: int = 4) -> "Runtime":
+        """``drafter_window`` / ``drafter_sink``: what of a prompt a drafter model reads (``ModelDrafter``)."""
         check_drafter(target, drafter)
         compile = Compile.of(compile)
-        drafter = as_drafter(drafter, compile.drafter)
+        drafter = as_drafter(drafter, compile.drafter, drafter_window, drafter_sink)
         kv = KVPool(target.net, drafter)
         return cls(target, StepForward(target.net, compile.target), drafter,
                    ops_for(resolve_backend(backend, target.device), target.device), compile, kv, count_torch_ops)
@@ -80,15 +82,17 @@ class Runtime:
         return self.target.device
 
 
-def as_drafter(drafter: Model | Eagle3Head | Drafter | None, compile: bool = False) -> Drafter | None:
+def as_drafter(drafter: Model | Eagle3Head | Drafter | None, compile: bool = False, window: int | None = None,
+               sink: int = 4) -> Drafter | None:
     """Wrap what a caller passes as ``drafter=`` into a ``Drafter``; ``compile``: a drafter model's
-    step forwards run compiled (an EAGLE-3 head, one layer, always runs eagerly)."""
+    step forwards run compiled (an EAGLE-3 head, one layer, always runs eagerly); ``window`` /
+    ``sink``: what of a prompt a drafter model reads."""
     if drafter is None:
         return None
     if isinstance(drafter, Eagle3Head):
         return Eagle3Drafter(drafter)
     if isinstance(drafter, Model):
-        return ModelDrafter(drafter, compile)
+        return ModelDrafter(drafter, compile, window, sink)
     return drafter
 
 

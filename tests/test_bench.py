@@ -218,6 +218,39 @@ def test_prompt_sources_mix_and_mt_bench_round_robin(tmp_path):
     assert len(load_prompts("mt-bench")) == 80 and {p.category for p in load_prompts("mt-bench")} == {"mt_bench"}
 
 
+def test_the_long_set_builds_offline_with_each_tasks_answer_length(smollm2):
+    from graft_tk.bench.prompts import load_prompts
+    from graft_tk.decode import encode_prompt
+    from graft_tk.errors import InputError
+    prompts = load_prompts("long@1k+2k")
+    assert [p.category for p in prompts[:5]] == ["code-edit@1k"] * 2 + ["document@1k"] * 2 + ["conversation@1k"]
+    assert {p.category.partition("@")[2] for p in prompts} == {"1k", "2k"}
+    assert all(p.max_new_tokens for p in prompts) and load_prompts("long@1k") == prompts[:5]   # deterministic
+    rename, conversation = prompts[0], prompts[4]
+    assert "```python" in rename.text and "def " in rename.text and rename.max_new_tokens == 512
+    assert conversation.history and conversation.history[1][1] in rename.text      # the module, an earlier turn
+    lengths = {p.id: len(encode_prompt(smollm2, p.chat, chat=True)) for p in prompts}
+    assert all(600 <= n <= 1600 for i, n in lengths.items() if "/1k/" in i), lengths     # about the size asked
+    assert all(1400 <= n <= 2800 for i, n in lengths.items() if "/2k/" in i), lengths
+    with pytest.raises(InputError, match="context size"):
+        load_prompts("long@3k")
+    # a conversation goes through the chat template, every turn in it
+    ids = encode_prompt(smollm2, conversation.chat, chat=True)
+    assert smollm2.tokenizer.decode(ids).count(conversation.history[0][1]) == 1
+    with pytest.raises(InputError, match="ending with the user's"):
+        encode_prompt(smollm2, conversation.chat[:2], chat=True)
+
+
+def test_a_prompts_own_answer_length_is_used_unless_the_run_sets_one(smollm2):
+    from graft_tk.config import GraftConfig
+    from graft_tk.bench.prompts import Prompt
+    own, plain = Prompt("a", "x", "Hi.", max_new_tokens=7), Prompt("b", "x", "Hi.")
+    plan = bench.Plan(smollm2, None, GraftConfig(), ("ar",), [own, plain], None)
+    assert (plan.new_tokens(own), plan.new_tokens(plain)) == (7, bench.DEFAULT_NEW_TOKENS)
+    fixed = bench.Plan(smollm2, None, GraftConfig(), ("ar",), [own, plain], 3)
+    assert (fixed.new_tokens(own), fixed.new_tokens(plain)) == (3, 3)
+
+
 def test_a_named_profile_runs_beside_the_methods(smollm2, two_prompts, tmp_path, capsys):
     from graft_tk.profiles import profile_key, write_profile
     from graft_tk.config import GraftConfig

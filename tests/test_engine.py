@@ -171,6 +171,33 @@ def test_prefill_warms_the_adjacency_from_every_prompt_position(smollm2):
     assert torch.equal(M, expected)
 
 
+LONG = ("Inventory: " + "; ".join(f"bin {i} holds {i * 7 % 13} bolts and {i * 5 % 11} nuts" for i in range(40))
+        + ". List bins 30 to 35 with what each holds, in the same words.")
+
+
+def test_a_windowed_drafter_reads_only_the_sink_and_the_window_of_a_prompt(smollm2, self_drafter):
+    """With drafter_window W and drafter_sink S the drafter's cache holds S + W prompt tokens and
+    what was committed after: its proposals change, the output does not."""
+    ids = encode_prompt(smollm2, LONG, chat=True)
+    ref = graft_tk.decode(smollm2, ids, max_new_tokens=24).tokens
+    config = GraftConfig(drafter_window=24, drafter_sink=4)
+    engine = Engine(smollm2, self_drafter, config)
+    drafter, batch = engine.runtime.drafter, engine.batch(1)
+    request = batch.add(ids, "graft", 24)
+    assert drafter.kv_len[0] == 28 and drafter.skipped[0] == len(ids) - 28      # the sink and the window
+    while not request.done:
+        batch.step()
+    assert request.out == ref
+    assert drafter.kv_len[0] <= 28 + len(request.out)                          # the sink, the window, the answer
+    for method in ("tree", "graft+pld"):
+        got = graft_tk.decode(smollm2, ids, drafter=self_drafter, method=method, config=config, max_new_tokens=24)
+        assert got.tokens == ref, method
+    prompts = [ids, encode_prompt(smollm2, "Say hi.", chat=True), ids[:60], encode_prompt(smollm2, LONG[:400], chat=True)]
+    want = [graft_tk.decode(smollm2, p, max_new_tokens=12).tokens for p in prompts]
+    got = decode_batch(Engine(smollm2, self_drafter, config).batch(3), prompts, "graft+pld", 12)
+    assert [tokens for tokens, _ in got] == want
+
+
 def test_max_new_tokens_truncates_mid_path(smollm2, self_drafter):
     ref = graft_tk.decode(smollm2, "Count from 1 to 20.", max_new_tokens=30)
     for n in (1, 2, 5, 9):

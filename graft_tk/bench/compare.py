@@ -47,6 +47,7 @@ from .anchors import ANCHOR_NAMES, LLAMA_CPP_ANCHORS, Anchors
 from .prompts import Prompt
 
 WARMUP_TOKENS = 8
+DEFAULT_NEW_TOKENS = 64   # new tokens per prompt when neither --max-new-tokens nor the prompt's task sets them
 PHASES = ("prefill", "draft", "retrieve", "verify", "commit")
 
 
@@ -68,7 +69,7 @@ class Plan:
     config: GraftConfig
     methods: tuple[str, ...]        # ours, "ar" first
     prompts: list[Prompt]
-    max_new_tokens: int
+    max_new_tokens: int | None      # new tokens per prompt; None: each prompt's own (its task's), else DEFAULT_NEW_TOKENS
     temperature: float = 0.0
     seed: int = 0
     repeats: int = 1
@@ -98,7 +99,7 @@ class Plan:
                              "--cost-only and pass --profile")
         if self.repeats < 1:
             raise InputError(f"--repeats must be >= 1, got {self.repeats}")
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not self.prompts:
             raise InputError("no prompts to run")
@@ -132,6 +133,10 @@ class Plan:
         """What run ``name`` compiles (an anchor: nothing of ours)."""
         run = next((r for r in self.runs if r.name == name), None)
         return run.compile if run is not None else Compile.OFF
+
+    def new_tokens(self, prompt: Prompt) -> int:
+        """The tokens ``prompt`` decodes: --max-new-tokens when given, else its task's, else DEFAULT_NEW_TOKENS."""
+        return self.max_new_tokens or prompt.max_new_tokens or DEFAULT_NEW_TOKENS
 
     def run_once(self, name: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
         run = next((r for r in self.runs if r.name == name), None)
@@ -174,9 +179,9 @@ def run(plan: Plan, on_run: Callable[[Prompt, str], None] | None = None) -> list
     context = plan.target.config.max_position_embeddings
     encoded = []
     for p in plan.prompts:
-        ids = encode_prompt(plan.target, p.text, chat=True)
-        if len(ids) + plan.max_new_tokens > context:
-            raise InputError(f"prompt {p.id} ({len(ids)} tokens) + --max-new-tokens {plan.max_new_tokens} exceeds "
+        ids = encode_prompt(plan.target, p.chat, chat=True)
+        if len(ids) + plan.new_tokens(p) > context:
+            raise InputError(f"prompt {p.id} ({len(ids)} tokens) + {plan.new_tokens(p)} new tokens exceeds "
                              f"{plan.target.name}'s context of {context}; lower --max-new-tokens or drop the prompt")
         encoded.append((p, ids))
     for name in plan.run_names:   # untimed; compiles the graphs of a compiled run
@@ -184,7 +189,8 @@ def run(plan: Plan, on_run: Callable[[Prompt, str], None] | None = None) -> list
         # forward (one pending token or several, one frontier row or several), and an 8-token
         # warm-up, one step, left some to compile inside a timed run (94 s on the Qwen pair).
         compiled = plan.compile_scope(name) is not Compile.OFF
-        tokens = plan.max_new_tokens if compiled else min(WARMUP_TOKENS, plan.max_new_tokens)
+        first = plan.new_tokens(encoded[0][0])
+        tokens = first if compiled else min(WARMUP_TOKENS, first)
         t = time.perf_counter()
         _guarded(plan, name, encoded[0][1], tokens)
         plan.warmup_seconds[name] = time.perf_counter() - t
@@ -196,7 +202,7 @@ def run(plan: Plan, on_run: Callable[[Prompt, str], None] | None = None) -> list
         results: dict[str, list] = {n: [] for n in names}
         for _ in range(plan.repeats):
             for name in order:
-                out = _guarded(plan, name, ids, plan.max_new_tokens)
+                out = _guarded(plan, name, ids, plan.new_tokens(prompt))
                 if out is not None:
                     results[name].append(out)
                 if on_run is not None:

@@ -48,7 +48,16 @@ MIX = "humaneval#6,spec-bench#1,math#6"   # the default mix: code, Spec-Bench's 
 class Prompt:
     id: str
     category: str
-    text: str
+    text: str                                       # the (last) user turn
+    max_new_tokens: int | None = None               # the answer length its task asks for (None: the run's)
+    history: tuple[tuple[str, str], ...] = ()       # earlier (role, content) turns of a conversation
+
+    @property
+    def chat(self) -> str | list[dict]:
+        """What ``encode_prompt`` takes: the text, or the conversation ending with it."""
+        if not self.history:
+            return self.text
+        return [{"role": r, "content": c} for r, c in self.history] + [{"role": "user", "content": self.text}]
 
 
 def spec_bench_path() -> Path | None:
@@ -124,7 +133,9 @@ def load_prompts(source: str, n_per_category: int | None = None) -> list[Prompt]
     prompts of each category). A source is ``humaneval`` | ``spec-bench`` | ``spec-bench:PATH`` |
     ``mt-bench`` (Spec-Bench's 80 MT-bench questions, 10 in each of its 8 categories in file order;
     ``mt-bench#K`` takes K, round-robin over the 8 categories) | ``math`` | ``mix`` (=
-    ``humaneval#6,spec-bench#1,math#6``: 18 prompts) | ``PATH.jsonl``.
+    ``humaneval#6,spec-bench#1,math#6``: 18 prompts) | ``long`` (``graft_tk.bench.long_prompts``:
+    code editing, documents and conversations at 1k, 2k, 4k and 8k tokens of context;
+    ``long@2k+4k`` at some of them) | ``PATH.jsonl``.
 
     n_per_category keeps the first n of each category (in file order) of every source, for quick runs.
     """
@@ -139,6 +150,10 @@ def load_prompts(source: str, n_per_category: int | None = None) -> list[Prompt]
         n_per_category = min(int(k), n_per_category or int(k))
     if source == "humaneval":
         prompts = load_humaneval()
+    elif source == "long" or source.startswith("long@"):
+        from .long_prompts import long_prompts
+        prompts = [Prompt(p.id, p.category, p.text, p.max_new_tokens, p.history)
+                   for p in long_prompts(source.partition("@")[2] or "1k+2k+4k+8k")]
     elif source == "math":
         prompts = [Prompt(f"math/{i}", "math", text) for i, text in enumerate(MATH_PROMPTS)]
     elif source == "mt-bench":

@@ -47,12 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma list of methods; ar always runs as the baseline (default: %(default)s)")
     p.add_argument("--prompts", default="humaneval",
-                   help="humaneval | spec-bench | spec-bench:PATH | mt-bench | math | mix | PATH.jsonl, or a "
-                        "comma list, each optionally SOURCE#K (its first K prompts per category; mt-bench#K: K "
-                        "prompts round-robin over MT-bench's 8 categories); mix = humaneval#6,spec-bench#1,math (default: %(default)s)")
+                   help="humaneval | spec-bench | spec-bench:PATH | mt-bench | math | mix | long | PATH.jsonl, or "
+                        "a comma list, each optionally SOURCE#K (its first K prompts per category; mt-bench#K: K "
+                        "prompts round-robin over MT-bench's 8 categories); mix = humaneval#6,spec-bench#1,math; "
+                        "long = code editing, documents and conversations at 1k-8k tokens of context, each with "
+                        "its own answer length (long@2k+4k: some sizes) (default: %(default)s)")
     p.add_argument("--n-per-category", type=int, default=None,
                    help="keep the first K prompts of each category (default: all)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"new tokens per prompt (default: its task's, e.g. the long set's, else {bench.DEFAULT_NEW_TOKENS})")
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default bf16; fp32 to judge exactness)")
     add_quant_args(p)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
@@ -115,11 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     m = report["machine"]
     quant = "" if report["config"]["quant"] == "none" else f" ({report['config']['quant']})"
     print(f"\n{report['config']['target']} + {report['config']['drafter']}, {report['config']['dtype']}{quant}, "
-          f"{len(report['prompts'])} prompts, {args.max_new_tokens} new tokens, temperature {args.temperature}, "
+          f"{len(report['prompts'])} prompts, {_new_tokens(args)} new tokens, temperature {args.temperature}, "
           f"top_p {args.top_p}; "
           f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}, "
           f"graft_tk {m['graft_tk']}")
     return 0
+
+
+def _new_tokens(args) -> str:
+    return str(args.max_new_tokens) if args.max_new_tokens else f"each task's (else {bench.DEFAULT_NEW_TOKENS})"
 
 
 def _mismatches(summary: dict) -> int:
@@ -192,7 +199,7 @@ def _run(args) -> dict:
         from ..bench.plots import plot_summary  # matplotlib only when a picture is asked for
         plot_summary(report["summary"], args.plot,
                      title=f"{target.name} + {drafter.name if drafter else 'no drafter'}, "
-                           f"{report['config']['dtype']}, {len(prompts)} prompts x {args.max_new_tokens} tokens")
+                           f"{report['config']['dtype']}, {len(prompts)} prompts x {_new_tokens(args)} tokens")
     return report
 
 
