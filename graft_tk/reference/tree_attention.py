@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 _SCORES_PER_CHUNK = 1 << 24   # fp32 attention scores held at once (64 MB)
@@ -90,6 +91,12 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix: Tensor, block: Tenso
     group = Hq // Hkv
     L = T if block is None else block.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
+    if block is None and keys == T:
+        # A prefill from slot 0 (a plan's keys cover its prefix, so every prefix is 0): plain causal
+        # attention, torch's fused kernel (a 2k-token prompt of the 1.5B Qwen: 0.1 s a layer,
+        # against 0.5 s for the masked form below on a 2-core Zen 4).
+        return F.scaled_dot_product_attention(q, k[:, :, :T], v[:, :, :T], is_causal=True, scale=scale,
+                                              enable_gqa=group > 1)
     rel = torch.arange(keys, device=q.device) - prefix[:, None]          # [B, keys]: key - prefix
 
     def visible(t0: int, t1: int) -> Tensor:                             # [B, t1 - t0, keys] bool
