@@ -96,7 +96,7 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix: Tensor, block: Tenso
         # attention, torch's fused kernel (a 2k-token prompt of the 1.5B Qwen: 0.1 s a layer,
         # against 0.5 s for the masked form below on a 2-core Zen 4).
         return F.scaled_dot_product_attention(q, k[:, :, :T], v[:, :, :T], is_causal=True, scale=scale,
-                                              enable_gqa=group > 1)
+                                              enable_gqa=True)     # a constant: heads may be symbolic when compiled
     rel = torch.arange(keys, device=q.device) - prefix[:, None]          # [B, keys]: key - prefix
 
     def visible(t0: int, t1: int) -> Tensor:                             # [B, t1 - t0, keys] bool
