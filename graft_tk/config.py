@@ -20,13 +20,18 @@ class GraftConfig:
     # (): retrieval at the root only
     tip_template: tuple[int, ...] = (2, 1, 1)
     warm_from_prefill: bool = True  # fill M from the prompt's logits before the first step
+    # ... from the last ``warm_window`` positions' (None: every position's). The LM head over a
+    # position costs what a prefilled token does over a 1.5B model's layers; the last ones are
+    # what the answer continues, and later positions overwrite earlier ones anyway.
+    warm_window: int | None = 256
     # A drafter model reads the first ``drafter_sink`` tokens and the last ``drafter_window`` of a
-    # prompt (None: all of it): a long prompt is the target's to read, the drafter's proposals are
+    # prompt (None: all of it), in the first step it drafts: a long prompt is the target's to
+    # read (prompt lookup and suffix decoding read all of it), the drafter's proposals are
     # verified (a window costs acceptance, never output).
-    drafter_window: int | None = None
+    drafter_window: int | None = 256
     drafter_sink: int = 4
-    pld_tokens: int = 10    # prompt-lookup chain length (the *pld methods)
-    pld_max_ngram: int = 3  # longest suffix n-gram looked up (down to 1)
+    pld_tokens: int = 16    # prompt-lookup chain length (a tree holds budget - 1 of them at most)
+    pld_max_ngram: int = 16  # longest suffix n-gram looked up (down to 1): a long match is a copy
     # suffix decoding (the *suffix methods, graft_tk.sources.suffix): the longest suffix matched,
     # the latest occurrences kept (one chain each), the tokens proposed after each
     suffix_max_match: int = 8
@@ -59,6 +64,8 @@ class GraftConfig:
                    f"{name} must be an int >= 1, got {value!r}")
         _check(self.drafter_window is None or (isinstance(self.drafter_window, int) and self.drafter_window >= 1),
                f"drafter_window must be None (the whole prompt) or an int >= 1, got {self.drafter_window!r}")
+        _check(self.warm_window is None or (isinstance(self.warm_window, int) and self.warm_window >= 1),
+               f"warm_window must be None (every position) or an int >= 1, got {self.warm_window!r}")
         _check(isinstance(self.drafter_sink, int) and self.drafter_sink >= 0,
                f"drafter_sink must be an int >= 0, got {self.drafter_sink!r}")
         _check(all(isinstance(s, int) and s >= 1 for s in self.tip_template),

@@ -61,12 +61,12 @@ def decode(target: Model, prompt: str | Sequence[int] | Sequence[dict] | torch.T
     prompt: text, a conversation (``[{"role": "user", "content": ...}, ...]``, the chat template
         applied) or token ids.
     method: "ar" (plain decoding), or a speculative method at budget ``config.budget``:
-        "tree" (drafter only, fixed depth), "pruned" (drafter, dynamic depth), "retrieval"
-        (adjacency matrix only), "graft" (pruned drafter tree + adjacency-matrix candidates in the
-        freed budget), "pld" (prompt lookup only), and "graft+pld", "tree+pld", "retrieval+pld"
-        (prompt lookup as one more source), "suffix" (suffix decoding only) and "graft+suffix"
-        (graft+pld with suffix decoding); ``graft_tk.methods``. Several sources share the
-        budget by estimated acceptance (``graft_tk.acceptance``).
+        "graft" (the default: pruned drafter tree + every retrieval source, the drafter run
+        where it pays), "graft-paper" (the paper's pruned drafter tree + adjacency-matrix
+        candidates in the freed budget), "tree" (drafter only, fixed depth), "pruned" (drafter,
+        dynamic depth), "retrieval" (adjacency matrix only), "pld" (prompt lookup only),
+        "suffix" (suffix decoding only), "tree+pld", "retrieval+pld"; ``graft_tk.methods``.
+        Several sources share the budget by estimated acceptance (``graft_tk.acceptance``).
     drafter: a Model with the target's tokenizer (e.g. load_model(name, num_layers=L)), or an
         EAGLE-3 head for this target (``load_eagle3(path, target)``), drafting from the target's features.
     config: GraftConfig (N, tau, K, D, retrieval k and template; with ``cost``, the device's cost

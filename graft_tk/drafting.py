@@ -24,6 +24,7 @@ accepted drafted nodes (a small model) or the accepted path's target features (E
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, runtime_checkable
 
@@ -48,6 +49,9 @@ class DraftPool:
     n: Tensor           # int64 [B]: valid entries of each row (K + (d - 1) K^2 after d depths)
     forwards: list[int]   # drafter forwards each row took part in this step (0: it did not draft)
     widths: tuple[int, ...]   # tokens per row in each drafter forward of the step (the cost model prices them)
+    # seconds the step spent reading prompts (a row's first drafting step: ``ModelDrafter``); the
+    # controllers learn what steps cost without it, it is paid once per request
+    reading_seconds: float = 0.0
 
     @classmethod
     def empty(cls, batch: int, device) -> "DraftPool":
@@ -247,16 +251,30 @@ class ModelDrafter(CachedDrafter):
         self.skipped[dst] = self.skipped[src]
 
     def start(self, row: int, prompt: Tensor, features: Tensor | None, ops: Ops) -> None:
+        """Nothing runs here: the row's first drafting step reads the sink and the window
+        (``_read_prompts``), so the first token does not wait for the drafter, and a request
+        whose steps never draft never pays for it."""
         n = prompt.shape[0]
-        skipped = max(n - self.sink - self.window, 0) if self.window is not None else 0
-        kept = torch.cat([prompt[:self.sink], prompt[self.sink + skipped:]]) if skipped else prompt
-        with self.net.cache_rows(row, row + 1):
-            self.step.prefill(kept[None], attention=ops.tree_attention)     # as the target's prefill
-        self.kv_len[row], self.skipped[row] = kept.shape[0], skipped
+        self.skipped[row] = max(n - self.sink - self.window, 0) if self.window is not None else 0
+        self.kv_len[row] = 0
+
+    def _read_prompts(self, request: DraftRequest, ends: list[int], ops: Ops) -> float:
+        """Each drafting row whose cache is empty reads its committed tokens up to the root, alone
+        (a prefill: torch's fused causal attention, no batch padding); returns the seconds spent."""
+        t0 = time.perf_counter()
+        for b, (active, end) in enumerate(zip(request.active, ends)):
+            if active and self.kv_len[b] == 0 and end > 1:
+                at = torch.arange(end - 1, device=request.context.device)
+                kept = request.context[b, torch.where(at < self.sink, at, at + self.skipped[b])]
+                with self.net.cache_rows(b, b + 1):
+                    self.step.prefill(kept[None], attention=ops.tree_attention)     # as the target's prefill
+                self.kv_len[b] = end - 1
+        return time.perf_counter() - t0
 
     def draft(self, request: DraftRequest, ops: Ops) -> DraftPool:
         B, device, context = len(request.length), request.context.device, request.context
         ends = [n - s for n, s in zip(request.length, self.skipped)]     # each row's root slot + 1
+        reading = self._read_prompts(request, ends, ops)
         # catch-up: the committed tokens each drafting row's cache has not seen, the root last;
         # a slot past the sink holds the committed token ``skipped`` places further
         pending = [e - k if a else 0 for e, k, a in zip(ends, self.kv_len, request.active)]
@@ -275,8 +293,10 @@ class ModelDrafter(CachedDrafter):
             def frontier(tokens, parent_rows, positions, plan):
                 return self.step(tokens, positions, plan, attention=ops.tree_attention)
 
-            return expand(request, root_logits, max(pending), frontier, torch.tensor(ends, device=device) - 1,
+            pool = expand(request, root_logits, max(pending), frontier, torch.tensor(ends, device=device) - 1,
                           max(ends), self.trash_slot, ops)
+        pool.reading_seconds = reading
+        return pool
 
     def commit(self, path: Tensor, n_path: list[int], path_slots: list[list[int]], node_slots: Tensor,
                features: Tensor | None, ops: Ops) -> None:

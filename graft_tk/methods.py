@@ -1,7 +1,7 @@
 """Methods as data: which candidate sources a decode step draws on, and whether drafting prunes.
 
-A method is a frozen ``Method``; the names users type (``graft``, ``graft+pld``, ...) are entries
-of ``METHODS``. Every method verifies the same budget N per step, so they compare at equal cost.
+A method is a frozen ``Method``; the names users type (``graft``, ``pld``, ...) are entries of
+``METHODS``. Every method verifies the same budget N per step, so they compare at equal cost.
 The sources (``graft_tk.sources``; the drafter is ``graft_tk.drafting``):
 
     draft          the drafter's token tree (EAGLE-2 style expansion, top-K per depth)
@@ -62,20 +62,26 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("tree", ("draft",)),                                           # drafter tree of fixed depth D
     Method("pruned", ("draft",), prune=True),                             # dynamic depth; freed budget unused
     Method("retrieval", ("adjacency",)),                                  # Token Recycling
-    Method("graft", ("draft", "adjacency"), prune=True),                  # the paper's hybrid
     Method("pld", ("prompt_lookup",)),                                    # prompt lookup
-    Method("graft+pld", ("draft", "adjacency", "prompt_lookup"), prune=True),
+    Method("suffix", ("suffix",)),                                        # suffix decoding
     Method("tree+pld", ("draft", "prompt_lookup")),
     Method("retrieval+pld", ("adjacency", "prompt_lookup")),
-    Method("suffix", ("suffix",)),                                        # suffix decoding
-    Method("graft+suffix", ("draft", "adjacency", "prompt_lookup", "suffix"), prune=True),
+    Method("graft-paper", ("draft", "adjacency"), prune=True),            # the paper's hybrid: drafter + M
+    # The default: the pruned drafter and every retrieval source, the budget to the likeliest
+    # candidates and the drafter run only where it pays (the draft gate, the cost policy).
+    Method("graft", ("draft", "adjacency", "prompt_lookup", "suffix"), prune=True),
 )}
+
+# Names earlier versions used, and what they are now (``method`` says so in its error).
+RENAMED = {"graft+suffix": "graft", "graft+pld": "graft (every source) or graft-paper (drafter + M)"}
 
 
 def method(name: str | Method) -> Method:
     """The ``Method`` a name stands for (a Method passes through); InputError listing them if unknown."""
     if isinstance(name, Method):
         return name
+    if name in RENAMED:
+        raise InputError(f"method {name!r} is gone since graft_tk 0.5: use {RENAMED[name]}")
     if name not in METHODS:
         raise InputError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
     return METHODS[name]

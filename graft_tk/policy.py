@@ -235,22 +235,26 @@ class StepPolicy(StepController):
 
 class DraftGate(StepController):
     """Draft less where the free sources already propose: whether a request decoding alone runs
-    the drafter this step. Two situations are told apart by ``free``, the tokens prompt lookup's
-    chain is expected to have accepted (from its acceptance estimates): a match (>= ``MATCH``) or
-    none. In each, the gate keeps the committed tokens per second of the steps that drafted and of
+    the drafter this step. Situations are told apart by ``free``, the tokens prompt lookup's
+    chain is expected to have accepted (from its acceptance estimates): none, a match (>= 1) and
+    a copy (>= 4: the answer is copying a span of the context; there a drafted node mostly
+    displaces a copied one). In each, the gate keeps the committed tokens per second of the steps that drafted and of
     those that did not (decayed; times measured online: they change the speed, never the output)
-    and takes the faster; the other is tried every ``EXPLORE_EVERY``-th step of that situation,
-    and drafting is the default until both have been seen. A drafted node that prompt lookup
+    and takes the faster; the other is tried every ``EXPLORE_EVERY``-th step of that situation.
+    Until both have been seen, a situation tries first what usually wins there (``FIRST``:
+    drafting, except in a copy), then the other. A drafted node that prompt lookup
     proposed too counts as the drafter's, so the drafter's own acceptance overstates what it
     adds; the rates measure what a step gains from it."""
 
-    MATCH = 1.0
+    LEVELS = (1.0, 4.0)      # the expected free tokens from which a situation starts (after "none")
+    FIRST = (True, True, False)   # each situation's first arm: drafts?
 
     def __init__(self):
         # [situation][drafted]: decayed committed tokens and seconds
-        self.tokens = [[0.0, 0.0], [0.0, 0.0]]
-        self.seconds = [[0.0, 0.0], [0.0, 0.0]]
-        self.since = [0, 0]          # steps of each situation since the arm not taken was tried
+        k = len(self.LEVELS) + 1
+        self.tokens = [[0.0, 0.0] for _ in range(k)]
+        self.seconds = [[0.0, 0.0] for _ in range(k)]
+        self.since = [0] * k         # steps of each situation since the arm not taken was tried
         self._last = 0
         self._asked = False          # this step's plan asked the gate
 
@@ -267,11 +271,12 @@ class DraftGate(StepController):
             self.count(seen.committed, seen.seconds, seen.drafted)
 
     def drafts(self, free: float) -> bool:
-        k = self._last = int(free >= self.MATCH)
-        if not self.seconds[k][1]:         # draft first, then try once without
-            return True
-        if not self.seconds[k][0]:
-            return False
+        k = self._last = sum(free >= level for level in self.LEVELS)
+        first = self.FIRST[k]
+        if not self.seconds[k][first]:     # the usual winner first, then the other once
+            return first
+        if not self.seconds[k][not first]:
+            return not first
         rate = [self.tokens[k][d] / self.seconds[k][d] for d in (0, 1)]
         best = rate[1] >= rate[0]
         self.since[k] += 1

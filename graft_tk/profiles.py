@@ -4,10 +4,10 @@
 given. A profile is a JSON file under ``$GRAFT_TK_PROFILE_DIR`` (default
 ``$GRAFT_TK_HOME/profiles``), named after the target, drafter, device and dtype::
 
-    {"format": "graft_tk.profile/3",
+    {"format": "graft_tk.profile/4",
      "key": {"target": "qwen2.5-coder-1.5b", "target_weights": "cc32...", "drafter": ...,
              "drafter_weights": ..., "device": "cpu: Intel(R) Xeon(R) ...", "dtype": "bfloat16",
-             "graft_tk": "0.4.0"},
+             "graft_tk": "0.5.0"},
      "method": "graft", "config": {GraftConfig fields}, "measured": {tokens/s, MAT, ...}}
 
 The file name finds the profile; the full key decides whether it may be used. A profile whose
@@ -40,8 +40,9 @@ from .models import Model
 from .models.eagle3 import Eagle3Head
 from .models.registry import STAMP, sha256_file
 
-# /2: methods name their sources (graft, graft+pld, ...); /3: acceptance priors by source name
-FORMAT = "graft_tk.profile/3"
+# /2: methods name their sources (graft, graft+pld, ...); /3: acceptance priors by source name;
+# /4: ``graft`` holds every source (the paper's drafter + M is ``graft-paper``)
+FORMAT = "graft_tk.profile/4"
 
 
 class ProfileWarning(UserWarning):
@@ -162,6 +163,9 @@ def read_profile(path: Path) -> Profile:
     if isinstance(doc, dict) and doc.get("format") == "graft_tk.profile/2":
         raise CorruptFileError(f"profile {path} was written by graft_tk 0.3 (its acceptance priors are not "
                                f"kept by source); {fix}")
+    if isinstance(doc, dict) and doc.get("format") == "graft_tk.profile/3":
+        raise CorruptFileError(f"profile {path} was written by graft_tk 0.4 (its 'graft' was the drafter + M, now "
+                               f"'graft-paper'; 'graft' holds every source); {fix}")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptFileError(f"profile {path} is not a {FORMAT} file; {fix}")
     try:

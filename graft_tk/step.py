@@ -112,7 +112,8 @@ def decode_step(runtime: Runtime, state: SpecState, controller: StepController, 
         seen = _settle(runtime, state, controller, rows, proposal, outcome, clock)
     record = StepRecord(len(rows), proposal.plan.budget, time.perf_counter() - t0,
                         sum(len(r.out) for r in rows) - committed_before, counters)
-    controller.observe(proposal.plan, dataclasses.replace(seen, committed=record.tokens, seconds=record.seconds))
+    controller.observe(proposal.plan, dataclasses.replace(seen, committed=record.tokens,
+                                                          seconds=record.seconds - proposal.pool.reading_seconds))
     for r in rows:
         r.stats.record_counters(counters)
     return record

@@ -46,10 +46,9 @@ PROMPT = [5, 17, 3, 99, 5, 17, 3, 42, 7, 5, 17]   # repeats, so prompt lookup ha
 PROMPTS = [PROMPT, [8, 8, 9], PROMPT[3:] + [11] * 9, [200, 1, 2, 3, 200, 1]]   # ragged: 11, 3, 17, 6 tokens
 
 
-# tree+pld, retrieval+pld and graft+suffix run the same ops as tree, retrieval, graft+pld and
-# suffix (the Triton interpreter is slow: each method costs a minute here)
+# tree+pld, retrieval+pld and graft-paper run the same ops as tree, retrieval and graft (the Triton interpreter is slow: each method costs a minute here)
 @pytest.mark.parametrize("method", ["ar"] + [m for m in SPECULATIVE
-                                             if m not in ("tree+pld", "retrieval+pld", "graft+suffix")])
+                                             if m not in ("tree+pld", "retrieval+pld", "graft-paper")])
 def test_triton_backend_gives_the_torch_backend_tokens(pair, method):
     target, drafter = pair
     kw = dict(drafter=drafter, method=method, max_new_tokens=16, config=CONFIG)
@@ -69,7 +68,7 @@ def test_a_batch_on_the_triton_backend_gives_the_torch_backends_tokens(pair):
     target, drafter = pair
     for sampling in (Sampling(), Sampling(0.9, 0.95, 3)):
         got = {backend: [t for t, _ in decode_batch(Engine(target, drafter, CONFIG, backend=backend).batch(4),
-                                                    PROMPTS, "graft+pld", 10, sampling)]
+                                                    PROMPTS, "graft", 10, sampling)]
                for backend in ("torch", "triton")}
         assert got["triton"] == got["torch"]
         want = [graft_tk.decode(target, p, max_new_tokens=10, temperature=sampling.temperature, top_p=sampling.top_p,

@@ -56,7 +56,7 @@ def test_a_policy_budget_above_the_engines_is_served(smollm2, self_drafter, prom
     buffer (sized by the engine's N): the whole batch failed. Each request is sized for the
     largest budget a step may verify."""
     engine = Engine(smollm2, self_drafter, GraftConfig(budget=8))
-    got = decode_batch(engine.batch(2, policy={1: GraftConfig(budget=32)}), prompts[:2], "graft+pld", 24)
+    got = decode_batch(engine.batch(2, policy={1: GraftConfig(budget=32)}), prompts[:2], "graft", 24)
     assert [tokens for tokens, _ in got] == ar_alone[:2]
 
 
@@ -125,8 +125,8 @@ def test_speculation_off_at_a_batch_size_and_back_on(smollm2, self_drafter, prom
     token per step); alone again, the long one speculates, its drafter catching up on the tokens it
     missed. Both equal their `ar` decodes."""
     batch = Engine(smollm2, self_drafter).batch(2, policy={2: GraftConfig(budget=1)})
-    a = batch.add(prompts[0], "graft", max_new_tokens=6)
-    b = batch.add(prompts[1], "graft", max_new_tokens=24)
+    a = batch.add(prompts[0], "graft-paper", max_new_tokens=6)
+    b = batch.add(prompts[1], "graft-paper", max_new_tokens=24)
     while len(batch):
         batch.step()
     assert a.out == ar_alone[0][:6] and b.out == ar_alone[1]
@@ -161,8 +161,8 @@ def test_no_drafting_at_a_batch_size_then_drafting_again(smollm2, self_drafter, 
     drafter (retrieval only: no drafter forward, 4-node trees); alone again, the long one drafts,
     its drafter catching up on what it missed. Both equal their `ar` decodes."""
     batch = Engine(smollm2, self_drafter).batch(2, policy={2: GraftConfig(budget=4, max_depth=0)})
-    a = batch.add(prompts[0], "graft", max_new_tokens=6)
-    b = batch.add(prompts[1], "graft", max_new_tokens=24)
+    a = batch.add(prompts[0], "graft-paper", max_new_tokens=6)
+    b = batch.add(prompts[1], "graft-paper", max_new_tokens=24)
     while len(batch):
         batch.step()
     assert a.out == ar_alone[0][:6] and b.out == ar_alone[1]

@@ -94,7 +94,7 @@ def test_corrupt_and_stale_profiles_are_reported_and_ignored(calib_env, smollm2,
     assert cli.main(["--show", "--storage", calib_env["storage"]]) == 0
     assert "UNUSABLE" in capsys.readouterr().out
 
-    doc = {"format": "graft_tk.profile/3", "key": {**key.__dict__, "graft_tk": "0.0.1"}, "method": "graft",
+    doc = {"format": "graft_tk.profile/4", "key": {**key.__dict__, "graft_tk": "0.0.1"}, "method": "graft",
            "config": GraftConfig().__dict__, "measured": {}}
     path.write_text(json.dumps(doc, default=list))   # another graft_tk version: stale
     with pytest.warns(ProfileWarning, match="stale.*graft_tk '0.0.1'"):

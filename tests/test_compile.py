@@ -59,7 +59,7 @@ def test_every_method_compiled_equals_ar(target, drafter):
         eager = graft_tk.decode(target, ids, max_new_tokens=24)
         ref = graft_tk.decode(target, ids, max_new_tokens=24, compile=True)
         assert ref.tokens == eager.tokens and ref.stats["compile"] == "on"   # compiled ar == eager ar here
-        for method in ("tree", "graft+pld"):      # every source, drafter and grafted (the step is one for all)
+        for method in ("tree", "graft"):      # every source, drafter and grafted (the step is one for all)
             got = graft_tk.decode(target, ids, drafter=drafter if METHODS[method].drafts else None, method=method,
                                   config=GraftConfig(), max_new_tokens=24, compile=True)
             assert got.tokens == ref.tokens, (prompt.id, method)
@@ -71,7 +71,7 @@ def test_a_compiled_batch_equals_each_request_alone(target, drafter):
     """The compiled step forwards serve a batch of ragged rows (one graph per batch shape)."""
     prompts = [encode_prompt(target, text, chat=True) for text in ("Name three colours.", "def add(a, b):")]
     want = [graft_tk.decode(target, ids, max_new_tokens=12).tokens for ids in prompts]
-    got = decode_batch(Engine(target, drafter, GraftConfig(), compile=True).batch(2), prompts, "graft+pld", 12)
+    got = decode_batch(Engine(target, drafter, GraftConfig(), compile=True).batch(2), prompts, "graft", 12)
     assert [tokens for tokens, _ in got] == want
 
 

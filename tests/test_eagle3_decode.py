@@ -151,6 +151,6 @@ def test_requests_drafting_with_an_eagle3_head_share_a_batch(smollm2, head):
     prompts = [encode_prompt(smollm2, t, chat=True) for t in ("Name three colours.", "def fib(n):",
                                                                "Count from one to twenty: one, two,")]
     want = [graft_tk.decode(smollm2, ids, max_new_tokens=12).tokens for ids in prompts]
-    got = decode_batch(Engine(smollm2, head, CONFIG).batch(3), prompts, "graft+pld", 12)
+    got = decode_batch(Engine(smollm2, head, CONFIG).batch(3), prompts, "graft", 12)
     assert [tokens for tokens, _ in got] == want
     assert sum(s["nodes_by_source"].get("draft", 0) for _, s in got) > 0

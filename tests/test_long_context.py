@@ -40,7 +40,7 @@ def test_every_method_equals_ar_on_a_2k_token_prompt(smollm2, self_drafter, long
 def test_long_and_short_prompts_in_one_batch_equal_ar(smollm2, self_drafter, long_ids):
     prompts = [long_ids[0], encode_prompt(smollm2, "Name three colours.", chat=True), long_ids[1], long_ids[0][:300]]
     want = [graft_tk.decode(smollm2, p, max_new_tokens=12).tokens for p in prompts]
-    for method in ("graft", "graft+suffix", "retrieval+pld"):
+    for method in ("graft-paper", "graft", "retrieval+pld"):
         got = decode_batch(Engine(smollm2, self_drafter, CONFIG).batch(4), prompts, method, 12)
         assert [tokens for tokens, _ in got] == want, method
 

@@ -134,6 +134,11 @@ def test_the_gate_takes_the_faster_of_drafting_or_not_with_a_prompt_lookup_match
         gate.count(committed=6 if picks[-1] else 5, seconds=0.6 if picks[-1] else 0.2, drafted=picks[-1])
     assert picks.count(True) == 2                 # the other arm tried every EXPLORE_EVERY-th step
     assert gate.drafts(free=0.0)                  # without a match drafting is faster (10 vs 5 tokens/s)
+    assert not gate.drafts(free=6.0)              # a copy (>= 4 expected) is a situation of its own: no drafting
+    gate.count(committed=12, seconds=0.2, drafted=False)
+    assert gate.drafts(free=6.0)                  # ... then drafting once
+    gate.count(committed=12, seconds=0.6, drafted=True)
+    assert not gate.drafts(free=6.0) and gate.drafts(free=3.0) is False   # each situation's faster arm
 
 
 def test_the_fixed_plan_follows_the_config_and_each_rows_method():
@@ -150,20 +155,20 @@ def test_the_state_chooses_a_requests_controllers_and_a_batch_runs_its_config():
     state = SpecState(GraftConfig(cost=STEEP), ops_for("torch", "cpu"), "cpu", vocab_size=64)
     plain = SpecState(GraftConfig(), ops_for("torch", "cpu"), "cpu", vocab_size=64)
     for s in (state, plain):
-        s.admit(METHODS["graft+pld"])
-    assert state.controller([METHODS["graft+pld"]]).parts == (state.gate, state.policy)   # prompt lookup signals
-    assert state.controller([METHODS["graft"]]).parts == (state.policy,)
-    assert plain.controller([METHODS["graft+pld"]]).parts == (plain.gate,)
-    assert plain.controller([METHODS["graft"]]) is FIXED
+        s.admit(METHODS["graft"])
+    assert state.controller([METHODS["graft"]]).parts == (state.gate, state.policy)   # prompt lookup signals
+    assert state.controller([METHODS["graft-paper"]]).parts == (state.policy,)
+    assert plain.controller([METHODS["graft"]]).parts == (plain.gate,)
+    assert plain.controller([METHODS["graft-paper"]]) is FIXED
     assert state.controller([METHODS["tree"]]) is FIXED                            # it does not prune
-    assert state.controller([METHODS["graft+pld"]] * 2) is FIXED                   # a batch: its config
+    assert state.controller([METHODS["graft"]] * 2) is FIXED                   # a batch: its config
     # the gate reads the free sources' signal only when the row would draft, and learns only then
-    gate, plan = DraftGate(), StepPlan.fixed([METHODS["graft+pld"]], GraftConfig())
-    assert gate.plan(plan, torch.tensor([5.0])).drafts == (True,)     # drafting first, in each situation
+    gate, plan = DraftGate(), StepPlan.fixed([METHODS["graft"]], GraftConfig())
+    assert gate.plan(plan, torch.tensor([3.0])).drafts == (True,)     # a match: drafting first
     gate.observe(plan, Observation(6, 0.6, 16, (4,), True, 5, 8))
-    assert gate.plan(plan, torch.tensor([5.0])).drafts == (False,)    # then once without
+    assert gate.plan(plan, torch.tensor([3.0])).drafts == (False,)    # then once without
     undrafted = dataclasses.replace(plan, drafts=(False,))
-    assert gate.plan(undrafted, torch.tensor([5.0])) is undrafted and gate.seconds[1][0] == 0.0
+    assert gate.plan(undrafted, torch.tensor([3.0])) is undrafted and gate.seconds[1][0] == 0.0
 
 
 def test_graft_pld_skips_the_drafter_where_prompt_lookup_proposes_and_equals_ar(smollm2, self_drafter):
@@ -172,7 +177,7 @@ def test_graft_pld_skips_the_drafter_where_prompt_lookup_proposes_and_equals_ar(
     ids = encode_prompt(smollm2, "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape, "
                                  "honeydew, kiwi, lemon, mango, nectarine. Now repeat it again:", chat=True)
     want = graft_tk.decode(smollm2, ids, max_new_tokens=48).tokens
-    got = graft_tk.decode(smollm2, ids, drafter=self_drafter, method="graft+pld", max_new_tokens=48)
+    got = graft_tk.decode(smollm2, ids, drafter=self_drafter, method="graft", max_new_tokens=48)
     forwards = got.stats["per_step"]["drafter_forwards"]
     assert got.tokens == want
     assert forwards.count(0) > len(forwards) // 2 and max(forwards) > 0
@@ -214,7 +219,7 @@ def test_a_dear_drafter_drafts_less(smollm2, self_drafter):
 
 def test_stats_compare_estimated_and_observed_acceptance_per_source(smollm2, self_drafter):
     r = graft_tk.decode(smollm2, "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", chat=False,
-                        drafter=self_drafter, method="graft+pld", max_new_tokens=24)
+                        drafter=self_drafter, method="graft", max_new_tokens=24)
     expected, nodes = r.stats["expected_accepted_by_source"], r.stats["nodes_by_source"]
     assert set(expected) == set(nodes)
     # each source's expectation is a sum of probabilities over its verified nodes
@@ -257,7 +262,7 @@ def test_cost_only_measures_the_cost_and_learns_priors_into_the_profile(tmp_path
     draft = priors.draft.rates
     assert len(draft) == len(SCORE_EDGES) + 1 and list(draft) == sorted(draft)
     assert len(priors.of("adjacency").rates) == profile.config.retrieval_k
-    assert priors.of("prompt_lookup") is None      # graft does not use it: it keeps its generic guess
+    assert len(priors.of("prompt_lookup").rates) == profile.config.pld_max_ngram   # graft uses every source
     assert profile.measured["priors_prompts"] == ["HumanEval/0"]
     # the engine starts from them
     engine = Engine(graft_tk.load_model("smollm2-135m", dtype="fp32", progress=False), None, profile.config)
@@ -268,7 +273,7 @@ def test_learnt_priors_follow_the_counts_and_are_validated(smollm2):
     small = dict(retrieval_k=2, template=(2, 1), pld_tokens=3, pld_max_ngram=2, suffix_max_match=2)
     state = Engine(smollm2, None, GraftConfig(**small)).state
     state.set_decay(1.0)
-    state.admit(METHODS["graft+suffix"])
+    state.admit(METHODS["graft"])
     retrieval = state.source("adjacency").rates
     retrieval.n += torch.tensor([50.0, 50.0, 0.0])          # rank 0 always right, rank 1 never
     retrieval.acc += torch.tensor([50.0, 0.0, 0.0])
@@ -283,7 +288,7 @@ def test_learnt_priors_follow_the_counts_and_are_validated(smollm2):
     config = GraftConfig(**small, priors=json.loads(json.dumps(dataclasses.asdict(learnt))))   # a profile's round trip
     assert config.priors == learnt
     started = Engine(smollm2, None, config).state
-    started.admit(METHODS["graft+suffix"])
+    started.admit(METHODS["graft"])
     assert started.source("adjacency").rates.rate()[:2].tolist() == pytest.approx(adjacency.rates, rel=1e-5)
     assert started.source("suffix").learnt() == suffix       # the round trip holds for every source
     with pytest.raises(InputError, match="probabilities"):

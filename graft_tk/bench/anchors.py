@@ -35,8 +35,9 @@ LLAMA_CPP_ANCHORS = ("llama_cpp", "llama_cpp_pld")
 ANCHOR_NAMES = HF_ANCHORS + LLAMA_CPP_ANCHORS
 # HF's own example value; it matches the depth of trees our methods verify at N = 16.
 PROMPT_LOOKUP_NUM_TOKENS = 10
-# llama.cpp's context: every benchmark prompt plus its new tokens fits (Spec-Bench's longest is ~700
-# tokens); a fixed size keeps the KV allocation the same for every run.
+# llama.cpp's context: at least this (Spec-Bench's longest prompt is ~700 tokens), so the KV
+# allocation is the same for every run of the short sets; a longer run's longest prompt + its new
+# tokens, in multiples of 512.
 LLAMA_CPP_CONTEXT = 4096
 _PACKAGES = {"hf": "transformers", "llama_cpp": "llama_cpp"}
 _INSTALL = {"hf": "pip install transformers", "llama_cpp": "pip install 'graft-tk[anchors]' (llama-cpp-python; "
@@ -80,13 +81,14 @@ def parse_anchors(text: str | None) -> tuple[str, ...]:
     return tuple(a for a in ANCHOR_NAMES if a in names)
 
 
-def make_anchors(target: Model, drafter, names: tuple[str, ...], gguf: Path | None) -> Anchors | None:
+def make_anchors(target: Model, drafter, names: tuple[str, ...], gguf: Path | None, context: int = 0) -> Anchors | None:
     """The requested anchors, HF and llama.cpp, behind one ``status`` / ``names`` / ``run`` / ``fail``.
-    ``gguf``: the target's GGUF file (None when it was not given as one: the llama.cpp anchors skip)."""
+    ``gguf``: the target's GGUF file (None when it was not given as one: the llama.cpp anchors skip);
+    ``context``: the longest prompt + new tokens of the run."""
     if not names:
         return None
     return Anchors([HFAnchors(target, drafter, tuple(n for n in names if n in HF_ANCHORS)),
-                    LlamaCppAnchors(target, tuple(n for n in names if n in LLAMA_CPP_ANCHORS), gguf)])
+                    LlamaCppAnchors(target, tuple(n for n in names if n in LLAMA_CPP_ANCHORS), gguf, context)])
 
 
 class _AnchorSet:
@@ -125,9 +127,12 @@ class Anchors(_AnchorSet):
         return self._owner[name].run(name, *args, **kwargs)
 
 
-def _timed(name: str, tokens: list[int], seconds: float) -> tuple[list[int], dict]:
-    return tokens, {"method": name, "tokens": len(tokens), "seconds": seconds,
-                    "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0}
+def _timed(name: str, tokens: list[int], seconds: float, first_token_s: float | None = None) -> tuple[list[int], dict]:
+    stats = {"method": name, "tokens": len(tokens), "seconds": seconds,
+             "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0}
+    if first_token_s is not None:       # as our runs report it: the prefill and the first token
+        stats["prefill_seconds"] = first_token_s
+    return tokens, stats
 
 
 @contextlib.contextmanager
@@ -218,8 +223,9 @@ class LlamaCppAnchors(_AnchorSet):
     on as many threads as torch uses. Prompt token ids are passed as they are: the GGUF's
     vocabulary is the one our tokenizer was built from."""
 
-    def __init__(self, target: Model, names: tuple[str, ...], gguf: Path | None):
+    def __init__(self, target: Model, names: tuple[str, ...], gguf: Path | None, context: int = 0):
         super().__init__(names)
+        n_ctx = max(LLAMA_CPP_CONTEXT, -(-context // 512) * 512)
         self.target, self.llms = target, {}
         if not names:
             return
@@ -236,7 +242,7 @@ class LlamaCppAnchors(_AnchorSet):
                 # logits_all (else n_batch rows, and a prompt past 512 tokens fails): n_ctx x vocab fp32
                 # (2.5 GB for Qwen2.5's vocabulary).
                 self.llms[n] = llama_cpp.Llama(
-                    model_path=str(gguf), n_ctx=LLAMA_CPP_CONTEXT, n_threads=torch.get_num_threads(),
+                    model_path=str(gguf), n_ctx=n_ctx, n_threads=torch.get_num_threads(),
                     draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_NUM_TOKENS) if pld else None,
                     logits_all=pld, verbose=False)
         except Exception as e:  # noqa: BLE001 - a load failure disables these anchors, never the run
@@ -251,10 +257,11 @@ class LlamaCppAnchors(_AnchorSet):
         llm.set_seed(seed)
         # greedy at temperature 0; else plain temperature / top-p sampling like ours (no top-k / min-p)
         knobs = dict(temp=temperature, top_k=0, top_p=top_p, min_p=0.0, typical_p=1.0, repeat_penalty=1.0)
-        tokens = []
+        tokens, first = [], None
         t0 = time.perf_counter()
         for tok in llm.generate(ids, **knobs):
             tokens.append(tok)
+            first = first or time.perf_counter() - t0
             if tok in eos or len(tokens) == max_new_tokens:
                 break
-        return _timed(name, tokens, time.perf_counter() - t0)
+        return _timed(name, tokens, time.perf_counter() - t0, first)

@@ -279,6 +279,9 @@ def _entry(rows: list[dict], ar_tok_s: dict, ar_decode: dict) -> dict:
              "speedup": statistics.median(ratios) if ratios else None,
              # the same after the prefill (the drafter's pass over the prompt is in its first step)
              "decode_speedup": statistics.median(decode_ratios) if decode_ratios else None,
+             # time to first token (the target's prefill, the sources' warm-up, the first token)
+             "first_token_s": statistics.median(ts) if (ts := [s["prefill_seconds"] for s in stats
+                                                                if "prefill_seconds" in s]) else None,
              "exact": {"compared": len(exact), "mismatches": exact.count(False)} if exact else None,
              "mat": None, "drafter_forwards_per_step": None, "accepted_per_step": None,
              "accepted_per_step_by_source_depth": None, "expected_per_step_by_source_depth": None,
@@ -326,13 +329,14 @@ def _per_step_by_source_depth(stats: list[dict], key: str, steps: int) -> dict[s
 def markdown_table(summary: dict, temperature: float = 0.0) -> str:
     """One markdown table: overall rows first, then one block per category when there are several."""
     categories = list(summary) if len(summary) > 2 else ["all"]   # one category: "all" says it all
-    header = ("| category | method | prompts | tok/s | speedup vs ar | after prefill | MAT | drafter fwd/step "
+    header = ("| category | method | prompts | tok/s | speedup vs ar | after prefill | first token s | MAT "
+              "| drafter fwd/step "
               "| accepted/step by source | time % prefill/draft/retrieve/verify/commit | exact vs ar |")
     lines = [header, "|" + "---|" * (header.count(" | ") + 1)]
     for cat in categories:
         for m, e in summary[cat].items():
             lines.append(f"| {cat} | {m} | {e['prompts']} | {e['tokens_per_s']:.2f} | {_fmt(e['speedup'], 'x')} "
-                         f"| {_fmt(e['decode_speedup'], 'x')} | {_fmt(e['mat'])} "
+                         f"| {_fmt(e['decode_speedup'], 'x')} | {_fmt(e.get('first_token_s'))} | {_fmt(e['mat'])} "
                          f"| {_fmt(e['drafter_forwards_per_step'])} "
                          f"| {_fmt_sources(e['accepted_per_step'])} | {_fmt_split(e['time_split'])} "
                          f"| {_fmt_exact(e['exact'], temperature)} |")

@@ -38,7 +38,7 @@ class AdjacencySource(CandidateSource):
     def __init__(self, config: GraftConfig, ops: Ops, device, priors: SourcePriors | None = None,
                  vocab_size: int = 0):
         super().__init__(config, ops, device)
-        self.warms_from_prompt = config.warm_from_prefill
+        self.warms_from_prompt, self.warm_window = config.warm_from_prefill, config.warm_window
         self.template = template_from_level_sizes(config.template, config.retrieval_k).to(device)
         # M: -1 never written; ``accept`` writes the verify's top-k successors of every node
         self.matrix = self.successors = new_adjacency(vocab_size, config.retrieval_k, device)
@@ -139,8 +139,10 @@ class AdjacencySource(CandidateSource):
             self.tip_rates.count(self._cell.expand_as(nodes[:, T:]), tried[:, T:], accepted[:, T:])
 
     def warm(self, prompt: Tensor, hidden: Tensor, head) -> None:
-        """M's rows from a prefill: position t's logits (``head(hidden[t])``) follow ``prompt[t]``."""
-        warm_adjacency(self.matrix, prompt, hidden, head)
+        """M's rows from a prefill: position t's logits (``head(hidden[t])``) follow ``prompt[t]``,
+        for the last ``warm_window`` positions."""
+        start = 0 if self.warm_window is None else max(prompt.shape[0] - self.warm_window, 0)
+        warm_adjacency(self.matrix, prompt[start:], hidden[start:], head)
 
     def learnt(self) -> SourcePriors:
         """The root template's rates and weights pooled by rank."""
