@@ -240,9 +240,9 @@ class DraftGate(StepController):
     a copy (>= 4: the answer is copying a span of the context; there a drafted node mostly
     displaces a copied one). In each, the gate keeps the committed tokens per second of the steps that drafted and of
     those that did not (decayed; times measured online: they change the speed, never the output)
-    and takes the faster; the other is tried every ``EXPLORE_EVERY``-th step of that situation.
-    Until both have been seen, a situation tries first what usually wins there (``FIRST``:
-    drafting, except in a copy), then the other. A drafted node that prompt lookup
+    and takes the faster, what usually wins there (``FIRST``: drafting, except in a copy) until
+    both are measured; the other is tried every ``EXPLORE_EVERY``-th step of that situation (a
+    copy of a few steps never runs the drafter). A drafted node that prompt lookup
     proposed too counts as the drafter's, so the drafter's own acceptance overstates what it
     adds; the rates measure what a step gains from it."""
 
@@ -272,13 +272,10 @@ class DraftGate(StepController):
 
     def drafts(self, free: float) -> bool:
         k = self._last = sum(free >= level for level in self.LEVELS)
-        first = self.FIRST[k]
-        if not self.seconds[k][first]:     # the usual winner first, then the other once
-            return first
-        if not self.seconds[k][not first]:
-            return not first
-        rate = [self.tokens[k][d] / self.seconds[k][d] for d in (0, 1)]
-        best = rate[1] >= rate[0]
+        if self.seconds[k][0] and self.seconds[k][1]:
+            best = self.tokens[k][1] / self.seconds[k][1] >= self.tokens[k][0] / self.seconds[k][0]
+        else:
+            best = self.FIRST[k]       # until both arms are measured: what usually wins here
         self.since[k] += 1
         if self.since[k] >= EXPLORE_EVERY:
             self.since[k] = 0

@@ -10,7 +10,7 @@ from graft_tk.calibration.warm_start import isotonic_increasing
 from graft_tk.config import GraftConfig
 from graft_tk.ops import ops_for
 from graft_tk.reference.build_tree import build_tree
-from graft_tk.sources import AdjacencySource, PromptLookupSource
+from graft_tk.sources import AdjacencySource, PromptLookupSource, StepView
 from graft_tk.tree import DRAFT, PROMPT_LOOKUP, RETRIEVAL, ROOT
 
 OPS = ops_for("torch", "cpu")
@@ -143,3 +143,26 @@ def test_prompt_lookup_values_follow_the_matched_ngram():
     cand = pld.propose(StepView(torch.tensor([6, 6]), context, torch.tensor([5, 6])))
     assert cand.tokens.tolist() == [[7, 5], [-1, -1]] and cand.note.tolist() == [2, 0]
     assert torch.allclose(cand.values.exp(), torch.tensor([[0.5, 0.5], [0.3, 0.3]]))
+
+
+def test_a_long_match_is_a_copy_and_deep_positions_share_a_rate():
+    """Matched lengths share a rate by class (1, 2, 3, 4-7, 8-15, 16+): a 16-token match starts
+    near-sure, a 1-token one doubtful. Chain positions from the fourth on share one rate, so what
+    the fourth position shows values the twelfth at once."""
+    pld = lookup(pld_tokens=12, pld_max_ngram=16)
+    assert pld.rates.rate().shape == (6, 4)
+    assert pld._row(torch.tensor([0, 1, 3, 4, 7, 8, 15, 16])).tolist() == [0, 0, 2, 3, 3, 4, 4, 5]
+    rate = pld.rates.rate()
+    assert rate[5, 0] > 0.9 and rate[0, 0] < 0.5
+    # one step after a 16-token match: positions 1-4 accepted, the fifth rejected
+    chain = list(range(20, 32))
+    built = tree(cand=chain, cand_parents=pld.parents.tolist(), cand_source=[PROMPT_LOOKUP] * 12, budget=13,
+                 cand_values=pld.rates.rate()[5][pld.position].log())
+    path = torch.full((1, 13), -1, dtype=torch.long)
+    path[0, :5] = torch.tensor([0] + [int(built.cand_node[0, i]) for i in range(4)])
+    pld.observe(built, on_path_mask(path), built.cand_node, torch.tensor([16]))
+    n = pld.rates.n[5].tolist()
+    assert n == [1, 1, 1, 2]                 # positions 4 and 5 both counted in the shared column
+    assert pld.rates.acc[5].tolist() == [1, 1, 1, 1]
+    values = pld.propose(StepView(torch.tensor([9]), torch.tensor([[1, 2, 3, 1, 2, 3]]), torch.tensor([6]))).values
+    assert values.shape == (1, 12) and torch.equal(values[0, 3:], values[0, 3].expand(9))

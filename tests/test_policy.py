@@ -17,6 +17,7 @@ from graft_tk.engine import Engine
 from graft_tk.errors import CorruptFileError, InputError
 from graft_tk.methods import METHODS
 from graft_tk.ops import ops_for
+from graft_tk.sources.prompt_lookup import NGRAM_CLASSES
 from graft_tk.policy import EXPLORE_EVERY, DraftGate, Observation, StepPlan, StepPolicy
 from graft_tk.state import FIXED, SpecState
 from graft_tk.profiles import profile_key, read_profile, write_profile
@@ -118,27 +119,28 @@ def test_drafting_is_skipped_while_it_does_not_pay_and_retried_every_few_steps()
     assert choices == ([False] * (EXPLORE_EVERY - 1) + [True]) * 2
 
 
-def test_the_gate_takes_the_faster_of_drafting_or_not_with_a_prompt_lookup_match_and_without():
+def test_the_gate_takes_the_faster_of_drafting_or_not_in_each_situation():
+    """Situations by prompt lookup's expected tokens: none (< 1), a match (1-4), a copy (>= 4). In
+    each the gate takes what usually wins there until both arms are measured (drafting; not in a
+    copy), then the faster; the other arm every EXPLORE_EVERY-th step of that situation."""
+    def run(gate, free, steps, rate):      # rate[drafted]: (committed, seconds) of such a step
+        picks = []
+        for _ in range(steps):
+            picks.append(gate.drafts(free=free))
+            gate.count(*rate[picks[-1]], drafted=picks[-1])
+        return picks
+    explored = [False] * (EXPLORE_EVERY - 1) + [True]
     gate = DraftGate()
-    assert gate.drafts(free=3.0)                  # a match: draft first ...
-    gate.count(committed=6, seconds=0.6, drafted=True)
-    assert not gate.drafts(free=3.0)              # ... then try without
-    gate.count(committed=5, seconds=0.2, drafted=False)
-    assert gate.drafts(free=0.0)                  # no match is the other situation: draft first there too
-    gate.count(committed=6, seconds=0.6, drafted=True)
-    assert not gate.drafts(free=0.0)
-    gate.count(committed=1, seconds=0.2, drafted=False)
-    picks = []
-    for _ in range(2 * EXPLORE_EVERY):            # with a match, not drafting is faster (25 vs 10 tokens/s)
-        picks.append(gate.drafts(free=3.0))
-        gate.count(committed=6 if picks[-1] else 5, seconds=0.6 if picks[-1] else 0.2, drafted=picks[-1])
-    assert picks.count(True) == 2                 # the other arm tried every EXPLORE_EVERY-th step
-    assert gate.drafts(free=0.0)                  # without a match drafting is faster (10 vs 5 tokens/s)
-    assert not gate.drafts(free=6.0)              # a copy (>= 4 expected) is a situation of its own: no drafting
-    gate.count(committed=12, seconds=0.2, drafted=False)
-    assert gate.drafts(free=6.0)                  # ... then drafting once
-    gate.count(committed=12, seconds=0.6, drafted=True)
-    assert not gate.drafts(free=6.0) and gate.drafts(free=3.0) is False   # each situation's faster arm
+    faster_without = {True: (6, 0.6), False: (5, 0.2)}     # 10 vs 25 tokens/s
+    assert run(gate, 3.0, EXPLORE_EVERY, faster_without) == [not x for x in explored]   # a match: drafting first
+    assert run(gate, 3.0, EXPLORE_EVERY, faster_without) == explored                    # measured: without
+    faster_drafting = {True: (6, 0.6), False: (1, 0.2)}    # 10 vs 5 tokens/s
+    assert run(gate, 0.0, 2 * EXPLORE_EVERY, faster_drafting) == [not x for x in explored] * 2   # none: drafting
+    copy = run(gate, 6.0, EXPLORE_EVERY - 1, faster_drafting)
+    assert copy == [False] * (EXPLORE_EVERY - 1)           # a copy of a few steps never drafts
+    assert run(gate, 6.0, 1, faster_drafting) == [True]    # ... the EXPLORE_EVERY-th step tries it
+    assert run(gate, 6.0, 1, faster_drafting) == [True]    # measured: drafting is faster here
+    assert run(gate, 3.0, 1, faster_without) == [False]    # each situation keeps its own choice
 
 
 def test_the_fixed_plan_follows_the_config_and_each_rows_method():
@@ -166,9 +168,12 @@ def test_the_state_chooses_a_requests_controllers_and_a_batch_runs_its_config():
     gate, plan = DraftGate(), StepPlan.fixed([METHODS["graft"]], GraftConfig())
     assert gate.plan(plan, torch.tensor([3.0])).drafts == (True,)     # a match: drafting first
     gate.observe(plan, Observation(6, 0.6, 16, (4,), True, 5, 8))
-    assert gate.plan(plan, torch.tensor([3.0])).drafts == (False,)    # then once without
+    assert gate.seconds[1][1] == 0.6 and gate.tokens[1][1] == 6       # the step it asked for is counted
+    assert gate.plan(plan, torch.tensor([6.0])).drafts == (False,)    # a copy: not drafting first
     undrafted = dataclasses.replace(plan, drafts=(False,))
-    assert gate.plan(undrafted, torch.tensor([3.0])) is undrafted and gate.seconds[1][0] == 0.0
+    assert gate.plan(undrafted, torch.tensor([3.0])) is undrafted      # a row that would not draft: not asked
+    gate.observe(undrafted, Observation(6, 0.6, 16, (4,), True, 5, 8))
+    assert gate.seconds[1][0] == 0.0 and gate.seconds[2][0] == 0.0    # ... and nothing learnt
 
 
 def test_graft_pld_skips_the_drafter_where_prompt_lookup_proposes_and_equals_ar(smollm2, self_drafter):
@@ -262,7 +267,7 @@ def test_cost_only_measures_the_cost_and_learns_priors_into_the_profile(tmp_path
     draft = priors.draft.rates
     assert len(draft) == len(SCORE_EDGES) + 1 and list(draft) == sorted(draft)
     assert len(priors.of("adjacency").rates) == profile.config.retrieval_k
-    assert len(priors.of("prompt_lookup").rates) == profile.config.pld_max_ngram   # graft uses every source
+    assert len(priors.of("prompt_lookup").rates) == len(NGRAM_CLASSES)    # graft uses every source
     assert profile.measured["priors_prompts"] == ["HumanEval/0"]
     # the engine starts from them
     engine = Engine(graft_tk.load_model("smollm2-135m", dtype="fp32", progress=False), None, profile.config)

@@ -5,10 +5,11 @@ by the rate at which chain position d is accepted after a match of length g.
 The matched length tells a copy from a coincidence: an answer that is copying a span of the
 prompt matches the longest n-gram looked up (``pld_max_ngram``, 16), one that happens to repeat a
 common pair of tokens matches 1-3. Lengths share a rate by class (1, 2, 3, 4-7, 8-15, 16-...),
-so the long matches, rarer, are learnt within a request. Positions from ``POSITION_CLASSES - 1`` on share one rate: past the first few, how likely the
-next copied token is depends on whether the answer is copying, not on how far it has copied,
-and a deep position is tried too rarely to learn a rate of its own within a request (measured on
-2k-token code edits: position 10 valued at a third of what it earned)."""
+so the long matches, rarer, are learnt within a request. Chain positions from
+``POSITION_CLASSES - 1`` on share one rate: past the first few, how likely the next copied token
+is depends on whether the answer is copying, not on how far it has copied, and a deep position is
+tried too rarely to learn a rate of its own within a request (measured on 2k-token code edits:
+position 10 valued at a third of what it earned)."""
 from __future__ import annotations
 
 import torch
