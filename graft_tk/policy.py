@@ -238,13 +238,13 @@ class DraftGate(StepController):
     the drafter this step. Situations are told apart by ``free``, the tokens prompt lookup's
     chain is expected to have accepted (from its acceptance estimates): none, a match (>= 1) and
     a copy (>= 4: the answer is copying a span of the context; there a drafted node mostly
-    displaces a copied one). In each, the gate keeps the committed tokens per second of the steps that drafted and of
-    those that did not (decayed; times measured online: they change the speed, never the output)
-    and takes the faster, what usually wins there (``FIRST``: drafting, except in a copy) until
-    both are measured; the other is tried every ``EXPLORE_EVERY``-th step of that situation (a
-    copy of a few steps never runs the drafter). A drafted node that prompt lookup
-    proposed too counts as the drafter's, so the drafter's own acceptance overstates what it
-    adds; the rates measure what a step gains from it."""
+    displaces a copied one). In each, the gate keeps the committed tokens per second of the
+    steps that drafted and of those that did not (decayed; times measured online: they change
+    the speed, never the output) and takes the faster, what usually wins there (``FIRST``:
+    drafting, except in a copy) until both are measured; the other is tried every
+    ``EXPLORE_EVERY``-th step of that situation (a copy of a few steps never runs the drafter).
+    A drafted node that prompt lookup proposed too counts as the drafter's, so the drafter's own
+    acceptance overstates what it adds; the rates measure what a step gains from it."""
 
     LEVELS = (1.0, 4.0)      # the expected free tokens from which a situation starts (after "none")
     FIRST = (True, True, False)   # each situation's first arm: drafts?
