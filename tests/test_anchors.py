@@ -104,3 +104,14 @@ def test_graft_bench_puts_llama_cpp_beside_ar_on_the_registry_gguf(smollm2, fake
     row = next(r for r in report["runs"] if r["method"] == "llama_cpp")
     assert row["kind"] == "anchor" and row["output"] == [11, 12, 13] and row["exact"] is None
     assert "| all | llama_cpp |" in capsys.readouterr().out
+
+
+def test_an_anchors_first_token_time_is_reported_as_its_prefill():
+    """llama.cpp's anchors time their first token, so the table gives them a time to first token
+    and a speed after it beside ours."""
+    from graft_tk.bench.anchors import _timed
+    from graft_tk.bench.compare import decode_rate
+    _, stats = _timed("llama_cpp", [5, 6, 7], 2.0, first_token_s=0.5)
+    assert stats["prefill_seconds"] == 0.5 and decode_rate(stats) == pytest.approx(2 / 1.5)
+    _, untimed = _timed("hf_greedy", [5, 6, 7], 2.0)
+    assert "prefill_seconds" not in untimed and decode_rate(untimed) is None

@@ -139,7 +139,9 @@ def test_summary_pools_counts_and_marks_mismatches(tmp_path):
     table = bench.markdown_table(summary)
     # after the prefill: 30 tokens in 0.9 s against ar's 10 in 0.5 s and 20 in 0.5 s: 1.67x and 0.83x
     assert g["decode_speedup"] == pytest.approx(1.25) and summary["all"]["hf_greedy"]["decode_speedup"] is None
-    assert "| all | graft | 2 | 30.00 | 2.25x | 1.25x | 2.00 |" in table and "1/2 **1 MISMATCH**" in table
+    assert "| all | graft | 2 | 30.00 | 2.25x | 1.25x | 0.10 | 2.00 |" in table and "1/2 **1 MISMATCH**" in table
+    assert g["first_token_s"] == pytest.approx(0.1) and summary["all"]["ar"]["first_token_s"] == 0.5
+    assert summary["all"]["hf_greedy"]["first_token_s"] is None   # HF's generate reports none
     assert "10/20/10/50/10" in table                             # time split, percent of the run
     assert "n.a. (sampling)" in bench.markdown_table(bench.summarize(
         [{**r, "exact": None} for r in rows]), temperature=0.7)
