@@ -78,13 +78,15 @@ def test_a_batch_on_the_triton_backend_gives_the_torch_backends_tokens(pair):
 
 
 def step_counters(target, drafter, method: str, rows: int, steps: int = 3):
-    """The counters of the first ``steps`` steps of ``rows`` requests decoding together on the
-    Triton backend, torch ops counted."""
+    """The counters of ``steps`` steps of ``rows`` requests decoding together on the Triton
+    backend, torch ops counted, after the first step: there a drafter reads each row's prompt
+    window, once per request (one prefill per row, as admitting it does for the target)."""
     engine = Engine(target, drafter, CONFIG, backend="triton", count_torch_ops=True)
     batch = engine.batch(rows)
     with torch.inference_mode():
         for ids in PROMPTS[:rows]:
             batch.add(ids, method, 32)
+        batch.step()
         records = []
         for _ in range(steps):
             batch.step()
