@@ -265,22 +265,26 @@ class ModelDrafter(CachedDrafter):
         for b, (active, end) in enumerate(zip(request.active, ends)):
             if active and self.kv_len[b] == 0 and end > 1:
                 at = torch.arange(end - 1, device=request.context.device)
-                kept = request.context[b, torch.where(at < self.sink, at, at + self.skipped[b])]
+                kept = request.context[b, self._context_index(at, self.skipped[b])]
                 with self.net.cache_rows(b, b + 1):
                     self.step.prefill(kept[None], attention=ops.tree_attention)     # as the target's prefill
                 self.kv_len[b] = end - 1
         return time.perf_counter() - t0
 
+    def _context_index(self, slots: Tensor, skipped: Tensor | int) -> Tensor:
+        """Where in the committed context the token of each cache slot is: a slot past the sink
+        holds the token ``skipped`` places further (the prompt tokens between sink and window)."""
+        return torch.where(slots < self.sink, slots, slots + skipped)
+
     def draft(self, request: DraftRequest, ops: Ops) -> DraftPool:
         B, device, context = len(request.length), request.context.device, request.context
         ends = [n - s for n, s in zip(request.length, self.skipped)]     # each row's root slot + 1
         reading = self._read_prompts(request, ends, ops)
-        # catch-up: the committed tokens each drafting row's cache has not seen, the root last;
-        # a slot past the sink holds the committed token ``skipped`` places further
+        # catch-up: the committed tokens each drafting row's cache has not seen, the root last
         pending = [e - k if a else 0 for e, k, a in zip(ends, self.kv_len, request.active)]
         up = self.catch_up(pending, device)
         skipped = torch.tensor(self.skipped[:B], device=device)[:, None]
-        index = torch.where(up.at < self.sink, up.at, up.at + skipped).clamp(max=context.shape[1] - 1)
+        index = self._context_index(up.at, skipped).clamp(max=context.shape[1] - 1)
         self._drafted = True
         with self.net.cache_rows(0, B):
             root_logits = self.step(context[:B].gather(1, index).masked_fill(~up.real, 0),

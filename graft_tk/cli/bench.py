@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from ..bench import compare as bench
 from ..compiled import Compile
-from ..bench.anchors import ANCHOR_NAMES, make_anchors, parse_anchors
+from ..bench.anchors import ANCHOR_NAMES, LLAMA_CPP_ANCHORS, make_anchors, parse_anchors
 from ..bench.prompts import load_prompts
 from ..config import GraftConfig
 from ..decode import encode_prompt
@@ -169,8 +169,10 @@ def _run(args) -> dict:
         cost = measure_step_cost(target, drafter, config, compile=compile[-1],
                                  progress=lambda msg: print("  " + msg, file=sys.stderr))
         config = dataclasses.replace(config, cost=cost)
-    context = max((len(encode_prompt(target, p.chat, chat=True))
-                   + (args.max_new_tokens or p.max_new_tokens or bench.DEFAULT_NEW_TOKENS) for p in prompts), default=0)
+    context = 0     # llama.cpp's context: the run's longest prompt + its new tokens
+    if any(a in LLAMA_CPP_ANCHORS for a in anchors):
+        context = max((len(encode_prompt(target, p.chat, chat=True))
+                       + (args.max_new_tokens or p.max_new_tokens or bench.DEFAULT_NEW_TOKENS) for p in prompts), default=0)
     plan = bench.Plan(target, drafter, config, methods, prompts, args.max_new_tokens, args.temperature,
                       args.seed, args.repeats, make_anchors(target, drafter, anchors, gguf_source(args.model), context),
                       top_p=args.top_p, compile=compile, adaptive=adaptive, configs=named_configs)
