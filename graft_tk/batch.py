@@ -91,10 +91,12 @@ class Batch:
         return self.admit(spec, on_tokens)
 
     @torch.inference_mode()
-    def admit(self, spec: RequestSpec, on_tokens: Callable[[list[int]], bool | None] | None = None) -> Request:
+    def admit(self, spec: RequestSpec, on_tokens: Callable[[list[int]], bool | None] | None = None,
+              on_prefill: Callable[[int, int], None] | None = None) -> Request:
         """Prefill a request into the next free row and return it; it decodes from the next ``step``
         on (or is done already: its first token ended it, and it takes no row). ``on_tokens`` is
-        called with each batch of committed tokens; True stops the request."""
+        called with each batch of committed tokens; True stops the request. ``on_prefill(read,
+        total)`` after each chunk of the prompt the target reads."""
         method = spec.method
         if method.drafts and self.runtime.drafter is None:
             raise InputError(f"method {method.name!r} needs a drafter: pass drafter=load_model(...) (a small model "
@@ -108,7 +110,7 @@ class Batch:
                              "prompt or lower max_new_tokens")
         self.state.admit(method)
         self._reserve(spec.tokens if self.max_len is None else self.max_len)   # the pool: a no-op unless it was taken
-        request = Request(spec, on_tokens, RequestStats(method.name, self.runtime.ops.backend))
+        request = Request(spec, on_tokens, RequestStats(method.name, self.runtime.ops.backend), on_prefill=on_prefill)
         row = len(self.rows)
         prefill(self.runtime, self.state, row, request, self.context[row], speculates=self.max_budget > 1,
                 drafts=self.max_depth > 0)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import weakref
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -48,6 +49,7 @@ from .models.transformer import Transformer
 _COMPILED: "weakref.WeakKeyDictionary[Transformer, dict]" = weakref.WeakKeyDictionary()
 _GRAPHS_PER_CODE = 64
 PREFILL_CHUNK = 64    # tokens per compiled prefill chunk (one graph for every prompt length)
+EAGER_PREFILL_CHUNK = 512   # tokens per eager prefill forward (a 2k-token prompt of the 1.5B Qwen reads as fast as whole)
 class Compile(enum.Enum):
     """What runs compiled: nothing, a drafter model's step forwards, or every step forward."""
     OFF = "off"
@@ -130,32 +132,33 @@ class StepForward:
         self.symbolic = dynamic and not self._cuda_graphs     # a CUDA graph replays fixed shapes
         self.chunked_prefill = compile and not self._cuda_graphs and quantized(net) and amx_cpu()
 
-    def prefill(self, tokens: Tensor, hidden_layers: tuple[int, ...] | None = None, attention=None):
+    def prefill(self, tokens: Tensor, hidden_layers: tuple[int, ...] | None = None, attention=None,
+                progress: Callable[[int, int], None] | None = None):
         """A prompt ``tokens`` [B, n] into cache slots 0 .. n - 1: its last position's logits
-        [B, 1, V] (and with ``hidden_layers``, every position's, as ``Transformer.forward``)."""
+        [B, 1, V] (and with ``hidden_layers``, every position's, as ``Transformer.forward``).
+        Read EAGER_PREFILL_CHUNK tokens a forward (PREFILL_CHUNK, padded, where the compiled
+        chunks run): a long prompt's activations stay small and ``progress(done, n)`` is called
+        after each chunk."""
         B, n = tokens.shape
-        device, C = tokens.device, PREFILL_CHUNK
-        if not self.chunked_prefill:
-            return self.net(tokens, torch.arange(n, device=device), 0, logits_at=-1, hidden_layers=hidden_layers,
-                            attention=attention)
+        device = tokens.device
+        C = PREFILL_CHUNK if self.chunked_prefill else EAGER_PREFILL_CHUNK
         logits, hidden = None, []
         for s in range(0, n, C):
             t = min(C, n - s)
-            if s + C <= self.net.cache_len:
+            if self.chunked_prefill and s + C <= self.net.cache_len:
                 chunk = tokens.new_zeros(B, C)      # a fresh [B, C]: a slice's strides would recompile
                 chunk[:, :t] = tokens[:, s:s + t]
                 last = torch.full((B,), t - 1, device=device)     # a tensor: no graph per value
                 out = self(chunk, torch.arange(s, s + C, device=device), s, logits_at=last,
                            hidden_layers=hidden_layers, attention=attention)
-            else:   # the padding would run past the cache: the rest eagerly
-                t = n - s
-                out = self.net(tokens[:, s:], torch.arange(s, n, device=device), s, logits_at=-1,
+            else:   # eagerly (a compiled chunk's padding would run past the cache)
+                out = self.net(tokens[:, s:s + t], torch.arange(s, s + t, device=device), s, logits_at=-1,
                                hidden_layers=hidden_layers, attention=attention)
             logits = out if hidden_layers is None else out[0]
             if hidden_layers is not None:
                 hidden.append(out[1][:, :t])
-            if s + t == n:
-                break
+            if progress is not None:
+                progress(s + t, n)
         return logits if hidden_layers is None else (logits, torch.cat(hidden, dim=1))
 
     def __call__(self, tokens: Tensor, positions: Tensor, plan: AttentionPlan | int, logits_at=None,

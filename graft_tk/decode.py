@@ -55,6 +55,7 @@ def decode(target: Model, prompt: str | Sequence[int] | Sequence[dict] | torch.T
            method: str = "ar", max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
            seed: int | None = None, chat: bool = True, config: GraftConfig | None = None,
            engine: Engine | None = None, on_tokens: Callable[[list[int]], bool | None] | None = None,
+           on_prefill: Callable[[int, int], None] | None = None,
            backend: str = "auto", compile: bool | str = False) -> DecodeResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` with ``target``.
 
@@ -80,6 +81,8 @@ def decode(target: Model, prompt: str | Sequence[int] | Sequence[dict] | torch.T
     chat: apply the model's chat template to a string prompt.
     on_tokens: called with each batch of newly committed token ids (streaming); when it returns
         True, decoding stops after that batch (a stop string, a client that went away).
+    on_prefill: called as ``on_prefill(read, total)`` after each chunk of the prompt the target
+        reads (512 tokens a forward): a progress bar for a long prompt.
     backend: "auto" (Triton kernels on CUDA, torch elsewhere), "triton" or "torch"; without CUDA
         "triton" runs the kernels in Triton's interpreter (exact, slow: for tests).
     compile: True / "on": run the step forwards of the target and a drafter model compiled
@@ -96,7 +99,7 @@ def decode(target: Model, prompt: str | Sequence[int] | Sequence[dict] | torch.T
     else:
         check_engine(engine, target, backend, compile)
         config_source = "engine"
-    tokens, stats = engine.generate(spec, on_tokens)
+    tokens, stats = engine.generate(spec, on_tokens, on_prefill)
     if m.speculates:
         stats["config"] = dataclasses.asdict(engine.config)
     stats.update(config_source=config_source, compile=engine.runtime.compile.value, seed=spec.sampling.seed)

@@ -53,11 +53,11 @@ class Engine:
         """A checked request for this engine's target."""
         return RequestSpec.of(ids, method, max_new_tokens, sampling, self.target.config)
 
-    def generate(self, spec: RequestSpec, on_tokens: Callable[[list[int]], bool | None] | None = None
-                 ) -> tuple[list[int], dict]:
+    def generate(self, spec: RequestSpec, on_tokens: Callable[[list[int]], bool | None] | None = None,
+                 on_prefill: Callable[[int, int], None] | None = None) -> tuple[list[int], dict]:
         """Decode one request (a batch of one): (new tokens, stats)."""
         batch = self.batch(1)
-        request = batch.admit(spec, on_tokens)
+        request = batch.admit(spec, on_tokens, on_prefill)
         while not request.done:
             batch.step()
         return request.out, request.finish()

@@ -60,6 +60,7 @@ class Request:
     target_len: int = 0      # committed tokens whose KV is in the target cache (all but the root)
     out: list[int] = field(default_factory=list)   # new tokens so far (what was streamed)
     done: bool = False
+    on_prefill: Callable[[int, int], None] | None = None   # (prompt tokens read, prompt tokens)
 
     @property
     def method(self) -> Method:

@@ -80,7 +80,8 @@ def prefill(runtime: Runtime, state: SpecState, row: int, request: Request, cont
     # warm from the prompt (their logits made a chunk at a time, never [n, V] at once).
     taken = (*(layers or ()), tnet.config.n_layers - 1) if warmers else layers
     with runtime.kv.rows(row, row + 1):
-        out = runtime.target_step.prefill(prompt, hidden_layers=taken, attention=ops.tree_attention)
+        out = runtime.target_step.prefill(prompt, hidden_layers=taken, attention=ops.tree_attention,
+                                          progress=request.on_prefill)
     logits, features = (out, None) if taken is None else (out[0], out[1][0])
     if warmers:
         dim = tnet.config.dim

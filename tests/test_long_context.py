@@ -1,15 +1,18 @@
 """Long prompts: every method equals plain decoding on a 2k-token prompt, alone and in a ragged batch
 (fp32), with the drafter reading a window of it; a prompt past the model's context is a clear error."""
 import pytest
+import torch
 
 import graft_tk
 from graft_tk.batch import decode_batch
 from graft_tk.bench.prompts import load_prompts
+from graft_tk.compiled import EAGER_PREFILL_CHUNK, StepForward
 from graft_tk.config import GraftConfig
 from graft_tk.decode import encode_prompt
 from graft_tk.engine import Engine
 from graft_tk.errors import InputError
 from graft_tk.methods import METHODS
+from graft_tk.reference.tree_attention import tree_attention
 
 CONFIG = GraftConfig(drafter_window=256)
 
@@ -49,3 +52,35 @@ def test_a_prompt_past_the_context_names_the_limit(smollm2):
     context = smollm2.config.max_position_embeddings
     with pytest.raises(InputError, match=f"exceeds the model's context of {context} tokens"):
         graft_tk.decode(smollm2, [1] * (context - 4), method="pld", max_new_tokens=8)
+
+
+def test_the_target_reads_a_long_prompt_in_chunks_and_reports_progress(smollm2, long_ids):
+    ids = long_ids[1]
+    n = len(ids)
+    seen = []
+    got = graft_tk.decode(smollm2, ids, method="pld", max_new_tokens=4, on_prefill=lambda read, total: seen.append((read, total)))
+    chunk = EAGER_PREFILL_CHUNK
+    assert seen == [(min(s + chunk, n), n) for s in range(0, n, chunk)] and len(seen) > 2
+    # the chunks compute what one forward over the whole prompt computes
+    net = smollm2.net
+    net.setup_cache(n + 8)
+    with torch.inference_mode():
+        whole = net(torch.tensor([ids]), torch.arange(n), 0, logits_at=-1)
+        chunked = StepForward(net).prefill(torch.tensor([ids]))
+    torch.testing.assert_close(chunked, whole, atol=2e-4, rtol=1e-4)
+    assert got.tokens[0] == int(whole[0, -1].argmax())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_attention_after_cached_keys_equals_the_masked_form(dtype):
+    """A prefill chunk's attention (block None: causal after each row's prefix, torch's fused
+    kernel) equals the same causal mask given as a block, over ragged prefixes and a loose key bound."""
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, T, D, S = 2, 4, 2, 37, 32, 200
+    q, k, v = (torch.randn(B, h, n, D, generator=g).to(dtype) for h, n in ((Hq, T), (Hkv, S), (Hkv, S)))
+    prefix, keys = torch.tensor([0, 90]), 150
+    block = torch.ones(B, T, T, dtype=torch.bool).tril()
+    got = tree_attention(q, k, v, prefix, None, keys)
+    want = tree_attention(q, k, v, prefix, block, keys)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, **tol)

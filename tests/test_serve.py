@@ -19,7 +19,7 @@ import pytest
 
 import graft_tk
 from graft_tk.config import GraftConfig
-from graft_tk.server.app import serving_in_thread
+from graft_tk.server.app import MAX_BODY_BYTES, serving_in_thread
 from graft_tk.server.metrics import Metrics
 from graft_tk.server.protocol import APIError, Request, parse_request
 from graft_tk.server.scheduler import Job, Scheduler
@@ -459,8 +459,25 @@ def test_sixteen_hostile_clients_and_a_sigterm_lose_no_request(smollm2):
 
 
 @pytest.mark.parametrize("flag, value", [("--max-batch", "0"), ("--policy-hold", "-1"), ("--max-queue", "0"),
-                                         ("--max-model-len", "1")])
+                                         ("--max-model-len", "1"), ("--grace", "-1"), ("--grace", "soon")])
 def test_bad_serve_flags_are_clear_errors_before_loading(flag, value, capsys):
     from graft_tk.cli import serve
-    assert serve.main(["--model", NAME, flag, value]) == 2
-    assert flag in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        serve.main(["--model", NAME, flag, value])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err and value in err, err
+
+
+def test_a_request_body_past_the_cap_is_a_413_and_the_server_keeps_serving(server, client):
+    url, _ = server
+    big = json.dumps({"model": NAME, "prompt": "x" * (MAX_BODY_BYTES + 1)}).encode()
+    r = httpx.post(url + "/v1/completions", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():                    # no Content-Length: the cap is counted as the body streams in
+        for _ in range(MAX_BODY_BYTES // (1 << 16) + 2):
+            yield b" " * (1 << 16)
+    r = httpx.post(url + "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert client.completions.create(model=NAME, prompt="Hi", temperature=0, max_tokens=2).usage.completion_tokens

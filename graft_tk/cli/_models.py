@@ -1,7 +1,8 @@
 """What every command line shares: which drafter pairs with a model, loading one from a spec, the
-quantization flags."""
+quantization flags, number arguments with a lower bound."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from ..errors import InputError
@@ -69,3 +70,17 @@ def drafter_spec(args) -> str | None:
             raise InputError("pass --drafter or --eagle3, not both")
         return f"eagle3:{args.eagle3}"
     return args.drafter if args.drafter is not None else default_drafter(args.model)
+
+
+def at_least(low: float, kind: type = int):
+    """An argparse ``type``: a ``kind`` number >= ``low`` (argparse names the flag in its error)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"must be >= {low:g}, got {text}")
+        return value
+    parse.__name__ = kind.__name__       # argparse's "invalid <name> value" message
+    return parse

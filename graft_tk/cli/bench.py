@@ -31,7 +31,7 @@ from ..errors import GraftError, InputError
 from ..methods import METHODS
 from ..models import load_model
 from ..sampling import check_sampling_args
-from ._models import add_quant_args, drafter_quant, drafter_spec, gguf_source, load_drafter
+from ._models import add_quant_args, at_least, drafter_quant, drafter_spec, gguf_source, load_drafter
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompts round-robin over MT-bench's 8 categories); mix = humaneval#6,spec-bench#1,math; "
                         "long = code editing, documents and conversations at 1k-8k tokens of context, each with "
                         "its own answer length (long@2k+4k: some sizes) (default: %(default)s)")
-    p.add_argument("--n-per-category", type=int, default=None,
+    p.add_argument("--n-per-category", type=at_least(1), default=None,
                    help="keep the first K prompts of each category (default: all)")
-    p.add_argument("--max-new-tokens", type=int, default=None,
+    p.add_argument("--max-new-tokens", type=at_least(1), default=None,
                    help=f"new tokens per prompt (default: its task's, e.g. the long set's, else {bench.DEFAULT_NEW_TOKENS})")
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default bf16; fp32 to judge exactness)")
     add_quant_args(p)
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; exactness is checked)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus cut when sampling (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every method")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per (prompt, method); the median is kept")
+    p.add_argument("--repeats", type=at_least(1), default=1, help="timed runs per (prompt, method); the median is kept")
     p.add_argument("--profile", action="store_true",
                    help="start from the graft-calibrate profile of this model pair, device and dtype "
                         "(default: GraftConfig's defaults); --budget/--tau/... still override")

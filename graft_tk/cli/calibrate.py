@@ -37,7 +37,7 @@ from ..errors import CorruptFileError, GraftError, InputError
 from ..methods import METHODS
 from ..models import load_model
 from ..sampling import check_sampling_args
-from ._models import add_quant_args, drafter_quant, drafter_spec, load_drafter
+from ._models import add_quant_args, at_least, drafter_quant, drafter_spec, load_drafter
 
 COST_WIDTH = 64   # --cost-only measures verifies (and drafter forwards) up to this many tokens
 
@@ -58,15 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="humaneval | spec-bench | math | mix | PATH.jsonl (Spec-Bench 'turns' or one 'prompt' per "
                         "line), or a comma list (default: mix = HumanEval, Spec-Bench's categories and math; "
                         "without Spec-Bench's data: humaneval#6,math#6)")
-    p.add_argument("--n-prompts", type=int, default=4, help="tuning prompts (default: %(default)s)")
-    p.add_argument("--validate", type=int, default=4, metavar="N",
+    p.add_argument("--n-prompts", type=at_least(1), default=4, help="tuning prompts (default: %(default)s)")
+    p.add_argument("--validate", type=at_least(0), default=4, metavar="N",
                    help="afterwards, time best vs default on N other prompts from --prompts (0 = skip; default 4)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--trials", type=int, default=20, help="trials to run in this invocation (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=None, help="stop starting trials after this many seconds")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    p.add_argument("--trials", type=at_least(1), default=20, help="trials to run in this invocation (default: %(default)s)")
+    p.add_argument("--timeout", type=at_least(0, float), default=None, help="stop starting trials after this many seconds")
     p.add_argument("--objectives", default="speed", choices=["speed", "speed,mat"],
                    help="speed: maximise tokens/s (prunes hopeless trials); speed,mat: Pareto front of both")
-    p.add_argument("--repeats", type=int, default=1, help="timed decodes per prompt and trial (median kept)")
+    p.add_argument("--repeats", type=at_least(1), default=1, help="timed decodes per prompt and trial (median kept)")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite under GRAFT_TK_HOME)")
     p.add_argument("--study-name", default=None, help="default: derived from model, drafter, device, dtype")
     p.add_argument("--profile-dir", default=None, help="where profiles go (default: GRAFT_TK_PROFILE_DIR or "
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only measure the device's cost model and learn the acceptance priors (on --n-prompts "
                         "prompts) into this pair's profile (keeps its config; the default config when there "
                         "is no profile yet)")
-    p.add_argument("--batch", type=int, default=1, metavar="B",
+    p.add_argument("--batch", type=at_least(1), default=1, metavar="B",
                    help="calibrate for B requests decoded together (graft-serve --max-batch): tau, N and D only, "
                         "scored by the batch's output tokens/s; the profile is the pair's for batch size B "
                         "(default: %(default)s)")

@@ -10,7 +10,9 @@ import json
 import logging
 import sys
 
-from ._models import add_quant_args, default_drafter, drafter_quant, load_drafter
+from tqdm import tqdm
+
+from ._models import add_quant_args, at_least, default_drafter, drafter_quant, load_drafter
 from ..compiled import Compile
 from ..config import GraftConfig
 from ..methods import METHODS
@@ -33,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="the prompt; read from stdin when omitted")
     p.add_argument("--method", default=None, choices=list(METHODS),
                    help="default: graft when a drafter is known for --model, else retrieval+pld")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=128)
     p.add_argument("--budget", type=int, default=None, help="N: tree nodes verified per step (GraftConfig)")
     p.add_argument("--tau", type=float, default=None, help="pruning threshold on drafter path probability")
     p.add_argument("--top-k", type=int, default=None, help="K: children per drafted node")
@@ -57,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    if args.prompt is None and sys.stdin.isatty():
+        print("graft-generate: reading the prompt from the terminal; end it with Ctrl-D (or pass --prompt TEXT)",
+              file=sys.stderr)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     try:
         spec = f"eagle3:{args.eagle3}" if args.eagle3 else (args.drafter or default_drafter(args.model))
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         result = decode(target, prompt, drafter=drafter, method=args.method, config=config,
                         max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
-                        on_tokens=streamer, compile=args.compile)
+                        on_tokens=streamer, on_prefill=_PrefillBar(), compile=args.compile)
     except GraftError as e:
         print(f"graft-generate: error: {e}", file=sys.stderr)
         return 2
@@ -100,6 +105,22 @@ def summary_line(s: dict) -> str:
                           sorted(s["accepted_by_source"].items(), key=lambda kv: -kv[1])) or "none"
     return (f"{line}; {s['mat']:.2f} tokens per target forward over {s['steps']} steps; accepted per step: "
             f"{by_source} (+1 from the target itself); config: {s['config_source']}")
+
+
+class _PrefillBar:
+    """A progress bar on stderr while the target reads a prompt of more than one chunk (a terminal only)."""
+
+    def __init__(self):
+        self.bar = None
+
+    def __call__(self, read: int, total: int) -> None:
+        if self.bar is None:
+            if read == total:       # one chunk: nothing to wait for
+                return
+            self.bar = tqdm(total=total, desc="reading the prompt", unit="tok", leave=False, disable=None)
+        self.bar.update(read - self.bar.n)
+        if read == total:
+            self.bar.close()
 
 
 class _Streamer:

@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 
-from ._models import add_quant_args, default_drafter, drafter_quant, load_drafter
+from ._models import add_quant_args, at_least, default_drafter, drafter_quant, load_drafter
 from ..compiled import Compile
 from ..methods import METHODS
 from ..decode import resolve_config
@@ -45,15 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the name clients pass as 'model' (default: --model as given)")
     p.add_argument("--host", default="127.0.0.1", help="default: %(default)s (loopback only)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 429 (default: %(default)s)")
-    p.add_argument("--max-batch", type=int, default=1,
+    p.add_argument("--max-queue", type=at_least(1), default=64, help="requests waiting at most; more get 429 (default: %(default)s)")
+    p.add_argument("--max-batch", type=at_least(1), default=1,
                    help="requests decoded together, one target forward per step for all (continuous batching); "
                         "1 decodes one at a time (default: %(default)s)")
-    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+    p.add_argument("--max-model-len", type=at_least(2), default=None, metavar="TOKENS",
                    help="most tokens of one request, prompt + answer: the KV caches are one pool of --max-batch rows "
                         "of this many tokens, allocated at start-up and never grown; longer requests get a 400 "
                         "(default: the model's context, at most 4096)")
-    p.add_argument("--policy-hold", type=int, default=8, metavar="STEPS",
+    p.add_argument("--policy-hold", type=at_least(0), default=8, metavar="STEPS",
                    help="a batch plans its N, tau and D for the most requests of the last STEPS steps, so the "
                         "gap between a client's requests does not switch the policy (default: %(default)s)")
     p.add_argument("--compile", nargs="?", const=Compile.ON, default=Compile.OFF, type=Compile,
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the step forwards compiled (torch.compile), compiled at start-up before the port "
                         "opens (minutes on a CPU; inductor caches them for the next start); 'drafter': only the "
                         "drafter model's. On a CPU measure it first: docs/roofline.md (default: %(default)s)")
-    p.add_argument("--grace", type=float, default=30.0,
+    p.add_argument("--grace", type=at_least(0, float), default=30.0,
                    help="seconds requests in flight may finish after SIGTERM (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -82,14 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"graft-serve: error: {e.name} is missing: pip install 'graft-tk[serve]'", file=sys.stderr)
         return 2
     try:
-        if args.max_queue < 1:
-            raise InputError(f"--max-queue must be >= 1, got {args.max_queue}")
-        if args.max_batch < 1:
-            raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
-        if args.max_model_len is not None and args.max_model_len < 2:
-            raise InputError(f"--max-model-len must be >= 2 tokens, got {args.max_model_len}")
-        if args.policy_hold < 0:
-            raise InputError(f"--policy-hold must be >= 0 steps, got {args.policy_hold}")
         if not 0 <= args.port < 65536:
             raise InputError(f"--port must be in [0, 65535], got {args.port}")
         spec = f"eagle3:{args.eagle3}" if args.eagle3 else (args.drafter or default_drafter(args.model))

@@ -68,6 +68,26 @@ def parse_dtype(dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def parse_device(device) -> torch.device:
+    """``device`` (None: cuda when available, else cpu) as a torch device this process can use."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"device {device!r} was asked for but this torch sees no CUDA GPU "
+                             f"(torch {torch.__version__}); use --device cpu, or install a CUDA build of torch")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InputError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                             f"numbered from 0")
+    elif dev.type != "cpu":
+        raise InputError(f"device {device!r} is not supported; use cpu or cuda")
+    return dev
+
+
 def load_model(name_or_path: str | Path, *, dtype=None, device=None, num_layers: int | None = None,
                quant: str = "none", progress: bool = True) -> Model:
     """Load a model for decoding.
@@ -87,9 +107,9 @@ def load_model(name_or_path: str | Path, *, dtype=None, device=None, num_layers:
     if num_layers is not None and num_layers < 1:
         raise InputError(f"num_layers must be >= 1, got {num_layers}")
     quant = check_quant(quant)
+    device = parse_device(device)
     t0 = time.perf_counter()
     name, path = resolve(str(name_or_path), progress, quant)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     held = quant_of(path)
     if held != "none" and quant not in ("none", held):
         raise InputError(f"{path} holds {held} weights; load it with quant={held!r} (or its float source with {quant!r})")

@@ -17,12 +17,21 @@ log = logging.getLogger(__name__)
 _FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
 
 
+_REQUIRED = ("num_hidden_layers", "num_attention_heads", "vocab_size", "hidden_size", "intermediate_size")
+
+
 def config_from_hf(hf: dict, source: Path, num_layers: int | None = None) -> ModelConfig:
+    if not isinstance(hf, dict):
+        raise CorruptFileError(f"{source}/config.json holds a JSON {type(hf).__name__}, not an object; restore it")
     model_type = hf.get("model_type", "")
     if model_type not in _FAMILIES:
         raise UnsupportedModelError(
             f"{source}: model_type {model_type!r} is not supported; graft_tk runs "
             f"{sorted(_FAMILIES)} checkpoints (Llama, Qwen2, Qwen3 families)")
+    missing = [k for k in _REQUIRED if not isinstance(hf.get(k), int) or hf[k] < 1]
+    if missing:
+        raise CorruptFileError(f"{source}/config.json lacks a positive integer {', '.join(missing)}; restore the "
+                               "checkpoint's config.json")
     n_layers = hf["num_hidden_layers"]
     if num_layers is not None:
         if not 1 <= num_layers <= n_layers:

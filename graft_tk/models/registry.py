@@ -148,6 +148,8 @@ def stamp_ok(path: Path, source_sha: str) -> bool:
         stamp = json.loads((path / STAMP).read_text())
     except (OSError, json.JSONDecodeError):
         return False
+    if not isinstance(stamp, dict) or not isinstance(stamp.get("files"), dict):
+        return False
     if stamp.get("source_sha256") != source_sha or stamp.get("converter_version") != CONVERTER_VERSION:
         return False
     # Sizes catch a truncated file without re-hashing gigabytes on every load.

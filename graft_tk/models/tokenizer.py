@@ -31,12 +31,18 @@ class Tokenizer:
         except Exception as e:  # the Rust library raises plain Exception
             raise CorruptFileError(f"{tok_file} cannot be parsed ({e}); restore it") from e
         cfg_file = path / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        try:
+            cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        except (OSError, json.JSONDecodeError) as e:
+            raise CorruptFileError(f"{cfg_file} cannot be read ({e}); restore it") from e
+        if not isinstance(cfg, dict):
+            raise CorruptFileError(f"{cfg_file} holds a JSON {type(cfg).__name__}, not an object; restore it")
         template = cfg.get("chat_template")
         if template is None and (path / "chat_template.jinja").exists():
             template = (path / "chat_template.jinja").read_text()
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
         self.chat_template: str | None = template
         self._specials = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)

@@ -98,6 +98,12 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix: Tensor, block: Tenso
         return F.scaled_dot_product_attention(q, k[:, :, :T], v[:, :, :T], is_causal=True, scale=scale,
                                               enable_gqa=True)     # a constant: heads may be symbolic when compiled
     rel = torch.arange(keys, device=q.device) - prefix[:, None]          # [B, keys]: key - prefix
+    if block is None:
+        # A prefill chunk after cached keys: torch's fused kernel with the causal mask shifted
+        # by each row's prefix ([B, 1, T, keys] bools; never [T, keys] floats per head).
+        seen = rel[:, None, None, :] <= torch.arange(T, device=q.device)[None, None, :, None]
+        return F.scaled_dot_product_attention(q, k[:, :, :keys], v[:, :, :keys], attn_mask=seen, scale=scale,
+                                              enable_gqa=True)
 
     def visible(t0: int, t1: int) -> Tensor:                             # [B, t1 - t0, keys] bool
         rows = torch.arange(t0, t1, device=q.device)[None, :, None]

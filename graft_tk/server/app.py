@@ -34,6 +34,9 @@ DISCONNECT_POLL_S = 0.25    # how often a waiting non-streaming handler checks t
 # client: 5 s; aiohttp: 15 s), so the client closes first: at uvicorn's default (5 s, equal to
 # httpx's) a request sent on a connection the server was closing failed ("connection reset").
 KEEP_ALIVE_S = 75
+# The largest request body read (413 past it): a 32k-token prompt is ~130 KB of text, JSON-escaped
+# maybe twice that; a client sending more is broken or hostile, and the body is held in memory.
+MAX_BODY_BYTES = 4 << 20
 
 
 def create_app(scheduler: Scheduler, served_name: str) -> Starlette:
@@ -54,7 +57,7 @@ def create_app(scheduler: Scheduler, served_name: str) -> Starlette:
     async def _generate(http: HTTPRequest, kind: str) -> Response:
         try:
             try:
-                body = json.loads(await http.body())
+                body = json.loads(await _body(http))
             except (ValueError, RecursionError) as e:   # not JSON or not UTF-8, nested too deep, too many digits
                 raise APIError(400, f"the request body is not valid JSON: {e}") from None
             req = parse_request(body, kind)
@@ -107,6 +110,23 @@ def create_app(scheduler: Scheduler, served_name: str) -> Starlette:
 
 
 START = time.time()
+
+
+async def _body(http: HTTPRequest) -> bytes:
+    """The request body, read up to MAX_BODY_BYTES (413 beyond: checked by Content-Length first,
+    then while it streams in, so a body that lies about its length is cut too)."""
+    too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB; send a shorter prompt",
+                         code="request_too_large")
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    parts, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def _prompt_ids(target: Model, req: Request, max_model_len: int) -> list[int]:

@@ -1,0 +1,91 @@
+"""Bad input at the edges is a clear error naming the problem and the fix, never a traceback:
+devices, damaged checkpoint files, out-of-range flags, a prompt awaited on a terminal."""
+import io
+import json
+import shutil
+
+import pytest
+import torch
+
+import graft_tk
+from graft_tk.errors import CorruptFileError, InputError
+from graft_tk.models import parse_device
+from graft_tk.models.registry import STAMP, stamp_ok
+
+
+@pytest.mark.parametrize("device, message", [("gpu", "unknown device 'gpu'"), ("mps", "use cpu or cuda")])
+def test_a_device_torch_cannot_use_is_named(device, message):
+    with pytest.raises(InputError, match=message):
+        parse_device(device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_a_gpu_says_so_before_loading_anything(capsys):
+    with pytest.raises(InputError, match="sees no CUDA GPU"):
+        graft_tk.load_model("no-such-model", device="cuda")       # the device first: no lookup, no download
+    from graft_tk.cli import generate
+    assert generate.main(["--model", "smollm2-135m", "--device", "cuda", "--prompt", "x"]) == 2
+    assert "--device cpu" in capsys.readouterr().err
+
+
+def test_cpu_is_cpu():
+    assert parse_device("cpu") == torch.device("cpu") and parse_device(None).type in ("cpu", "cuda")
+
+
+@pytest.fixture
+def folder(smollm2, tmp_path):
+    """A copy of SmolLM2's checkpoint folder to damage."""
+    out = tmp_path / "model"
+    shutil.copytree(smollm2.path, out)
+    return out
+
+
+@pytest.mark.parametrize("file, text, message", [
+    ("config.json", "{\"model_type\": \"llama\"", "config.json cannot be read"),
+    ("config.json", "[1, 2]", "holds a JSON list"),
+    ("config.json", None, "lacks a positive integer"),      # hidden_size removed
+    ("tokenizer_config.json", "{not json", "tokenizer_config.json cannot be read"),
+    ("tokenizer.json", "{}", "tokenizer.json cannot be parsed"),
+])
+def test_a_damaged_checkpoint_file_is_named(folder, file, text, message):
+    if text is None:
+        cfg = json.loads((folder / file).read_text())
+        del cfg["hidden_size"]
+        text = json.dumps(cfg)
+    (folder / file).write_text(text)
+    with pytest.raises(CorruptFileError, match=message) as e:
+        graft_tk.load_model(folder, dtype="fp32", progress=False)
+    assert str(folder) in str(e.value)
+
+
+def test_a_stamp_without_its_file_list_is_stale(folder):
+    (folder / STAMP).write_text(json.dumps({"source_sha256": "x", "converter_version": 1}))
+    assert not stamp_ok(folder, "x")
+    (folder / STAMP).write_text("[]")
+    assert not stamp_ok(folder, "x")
+
+
+@pytest.mark.parametrize("cli, flag, value", [
+    ("calibrate", "--trials", "0"), ("calibrate", "--timeout", "-5"), ("calibrate", "--n-prompts", "0"),
+    ("calibrate", "--repeats", "two"), ("bench", "--repeats", "0"), ("bench", "--n-per-category", "0"),
+    ("generate", "--max-new-tokens", "0"),
+])
+def test_an_out_of_range_flag_names_itself(cli, flag, value, capsys):
+    import importlib
+    main = importlib.import_module(f"graft_tk.cli.{cli}").main
+    with pytest.raises(SystemExit) as exit:
+        main(["--model", "smollm2-135m", flag, value])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err and value in err, err
+
+
+def test_generate_says_it_waits_for_a_prompt_on_a_terminal(smollm2, monkeypatch, capsys):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setattr("sys.stdin", Terminal("Say hi."))
+    from graft_tk.cli import generate
+    assert generate.main(["--model", "smollm2-135m", "--dtype", "fp32", "--max-new-tokens", "2", "--json"]) == 0
+    out = capsys.readouterr()
+    assert "end it with Ctrl-D" in out.err and json.loads(out.out)["stats"]["tokens"] >= 1
