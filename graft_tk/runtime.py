@@ -120,6 +120,13 @@ def check_drafter(target: Model, drafter) -> None:
     if not isinstance(drafter, Model):
         raise InputError(f"drafter must be a Model (load_model) or an EAGLE-3 head (load_eagle3), "
                          f"got {type(drafter).__name__}")
-    if drafter.config.vocab_size != target.config.vocab_size:
+    if drafter.config.vocab_size > target.config.vocab_size:
         raise InputError(f"drafter {drafter.name} has vocab {drafter.config.vocab_size}, target {target.name} has "
-                         f"{target.config.vocab_size}; the drafter must share the target's tokenizer")
+                         f"{target.config.vocab_size}; the drafter must share the target's tokenizer (its vocabulary "
+                         "the target's or a prefix of it)")
+    differ = drafter.tokenizer.differences(target.tokenizer)
+    if differ:
+        token, theirs, ours = differ[0]
+        raise InputError(f"drafter {drafter.name}'s tokenizer is not target {target.name}'s: {token!r} is id {theirs} "
+                         f"in the drafter and {ours} in the target ({len(differ)} tokens differ); its proposals would "
+                         "be other tokens than it means. Use a drafter of the target's family (the same tokenizer)")

@@ -1,5 +1,6 @@
 """Bad input at the edges is a clear error naming the problem and the fix, never a traceback:
 devices, damaged checkpoint files, out-of-range flags, a prompt awaited on a terminal."""
+import dataclasses
 import io
 import json
 import shutil
@@ -89,3 +90,38 @@ def test_generate_says_it_waits_for_a_prompt_on_a_terminal(smollm2, monkeypatch,
     assert generate.main(["--model", "smollm2-135m", "--dtype", "fp32", "--max-new-tokens", "2", "--json"]) == 0
     out = capsys.readouterr()
     assert "end it with Ctrl-D" in out.err and json.loads(out.out)["stats"]["tokens"] >= 1
+
+
+def test_a_drafter_with_another_tokenizer_is_refused_by_name(smollm2, tmp_path):
+    """Same vocabulary size, other ids: refused before it proposes tokens it does not mean."""
+    folder = tmp_path / "shuffled"
+    shutil.copytree(smollm2.path, folder)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = "hello", "world"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    other = graft_tk.load_model(folder, dtype="fp32", num_layers=2, progress=False)
+    assert other.config.vocab_size == smollm2.config.vocab_size
+    with pytest.raises(InputError, match="tokenizer is not target .*'(hello|world)' is id .*2 tokens differ"):
+        graft_tk.decode(smollm2, "Hi", drafter=other, method="tree", max_new_tokens=2)
+
+
+def test_a_drafter_whose_vocabulary_is_a_prefix_of_the_targets_drafts_losslessly(smollm2):
+    """A drafter with fewer embedding rows (its vocabulary a prefix of the target's) proposes only
+    ids it has; the target verifies them as usual."""
+    drafter = graft_tk.load_model("smollm2-135m", dtype="fp32", num_layers=10, progress=False)
+    keep = smollm2.config.vocab_size - 4096
+    emb = drafter.net.tok_embeddings
+    emb.weight = torch.nn.Parameter(emb.weight.data[:keep].clone(), requires_grad=False)
+    emb.num_embeddings = keep
+    assert drafter.net.output is None          # tied: the head is the cut embedding
+    drafter = dataclasses.replace(drafter, config=dataclasses.replace(drafter.config, vocab_size=keep))
+    prompt = "Count from 1 to 20: 1, 2, 3,"
+    want = graft_tk.decode(smollm2, prompt, max_new_tokens=24).tokens
+    got = graft_tk.decode(smollm2, prompt, drafter=drafter, method="tree", max_new_tokens=24)
+    assert got.tokens == want and got.stats["accepted_by_source"].get("draft", 0) > 0
+
+    bigger = dataclasses.replace(drafter, config=dataclasses.replace(drafter.config, vocab_size=smollm2.config.vocab_size + 1))
+    with pytest.raises(InputError, match="a prefix of it"):
+        graft_tk.decode(smollm2, prompt, drafter=bigger, method="tree", max_new_tokens=2)

@@ -1,6 +1,7 @@
 """Tokenizer of a checkpoint folder: tokenizer.json (HF `tokenizers`) plus its chat template."""
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -46,6 +47,20 @@ class Tokenizer:
         self.chat_template: str | None = template
         self._specials = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def differences(self, other: "Tokenizer") -> list[tuple[str, int, int | None]]:
+        """Every token of this vocabulary (added and special tokens too) whose id in ``other`` is not
+        its id here, as (token, id here, id there or None): empty when ``other`` holds this
+        vocabulary, or extends it with ids after."""
+        mine, theirs = self.vocab, other.vocab
+        if mine.items() <= theirs.items():
+            return []
+        return [(t, i, theirs.get(t)) for t, i in sorted(mine.items(), key=lambda kv: kv[1]) if theirs.get(t) != i]
+
+    @functools.cached_property
+    def vocab(self) -> dict[str, int]:
+        """token -> id, added and special tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
 
     def token_id(self, text: str | None) -> int | None:
         return None if text is None else self._tok.token_to_id(text)
