@@ -52,6 +52,7 @@ from graft_tk.adjacency import RetrievalTemplate, default_template, new_adjacenc
 from graft_tk.autotune import tree_attention as tunable_attention  # noqa: E402
 
 from bench import cases  # noqa: E402  the op benchmark shapes
+from graft_tk.kernels import probes  # noqa: E402  the ops' inputs
 
 # Shared memory a block may use (bytes, with the opt-in carve-out): A100 163 KB, H100/H200 227 KB.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
@@ -150,42 +151,42 @@ def op_calls(quick: bool):
         for F in ((1, 4) if quick else (1, 4, 16)):
             for K in ((4,) if quick else (1, 4, 8)):
                 def build(F=F, V=V, K=K):
-                    scores, logits, _, log_tau = cases._draft_expand(F, V)("cpu")
+                    scores, logits, _, log_tau = probes.draft_expand(F, V)("cpu")
                     return scores, logits, K, log_tau
                 yield f"F={F} V={V} K={K}", "draft_expand", build
         for N, rows in ((1, 1), (16, 1), (64, 1), (16, 4)):
             for with_adj in (True, False):
                 def build(N=N, V=V, rows=rows, with_adj=with_adj):
-                    args = list(cases._accept(N, V, rows)("cpu"))
+                    args = list(probes.accept(N, V, rows)("cpu"))
                     return tuple(args) if with_adj else (*args[:5], None, None)
                 yield f"B={rows} N={N} V={V} adjacency={'on' if with_adj else 'off'}", "accept", build
     for k, template in ((8, default_template(8)), (1, RetrievalTemplate(torch.tensor([-1]), torch.tensor([0]), 1))):
         yield (f"T={template.n} k={k}", "retrieve",
                lambda k=k, template=template: (new_adjacency(1024, k), torch.tensor([7, 8]), template))
     for N in (1, 16, 64):
-        yield f"P=84 C=90 N={N}", "build_tree", lambda N=N: cases._build_tree(N, rows=2)("cpu")
+        yield f"P=84 C=90 N={N}", "build_tree", lambda N=N: probes.build_tree(N, cases.VOCAB, rows=2)("cpu")
     for dtype in ((torch.float32, torch.bfloat16) if quick else (torch.float32, torch.float16, torch.bfloat16)):
         for d in ((128,) if quick else (64, 128)):
             for n in (1, 6, 16):
                 yield (f"{str(dtype)[6:]} d{d} n={n}", "commit_kv",
-                       lambda dtype=dtype, d=d, n=n: cases._commit_kv(2, 2, 512, d, n, dtype, rows=2)("cpu"))
+                       lambda dtype=dtype, d=d, n=n: probes.commit_kv(2, 2, 512, d, n, dtype, rows=2)("cpu"))
             for group in ((1, 7) if quick else (1, 2, 7, 8)):
                 for T in ((1, 64) if quick else (1, 16, 64)):
                     yield (f"{str(dtype)[6:]} d{d} group {group} T={T}", "tree_attention",
                            lambda dtype=dtype, d=d, group=group, T=T:
-                           cases._tree_attention(T, 512, dtype, hq=2 * group, hkv=2, d=d, rows=2)("cpu"))
+                           probes.tree_attention(T, 512, dtype, hq=2 * group, hkv=2, d=d, rows=2)("cpu"))
                 yield (f"{str(dtype)[6:]} d{d} group {group} causal prefill T=256", "tree_attention",
                        lambda dtype=dtype, d=d, group=group: causal(
-                           cases._tree_attention(256, 0, dtype, hq=2 * group, hkv=2, d=d)("cpu")))
+                           probes.tree_attention(256, 0, dtype, hq=2 * group, hkv=2, d=d)("cpu")))
     for committed in (256, 4096):
-        yield f"context {committed}", "prompt_lookup", lambda committed=committed: cases._prompt_lookup(committed)("cpu")
+        yield f"context {committed}", "prompt_lookup", lambda committed=committed: probes.prompt_lookup(committed)("cpu")
     for dtype in ((torch.float32, torch.bfloat16) if quick else (torch.float32, torch.float16, torch.bfloat16)):
         for mode in ("int8", "int4"):
             for M in ((1, 64) if quick else (1, 16, 64)):
                 for bias in ((mode == "int8",) if quick else (False, True)):
                     yield (f"{mode} {str(dtype)[6:]} M={M} N=2048 K=1536 bias={bias}", "quant_matmul",
                            lambda dtype=dtype, mode=mode, M=M, bias=bias:
-                           cases._quant_matmul(M, 2048, 1536, mode, dtype, bias)("cpu"))
+                           probes.quant_matmul(M, 2048, 1536, mode, dtype, bias)("cpu"))
 
 
 def causal(args: tuple) -> tuple:
@@ -210,7 +211,7 @@ def record_launches(quick: bool) -> list[Launch]:
     # The vocabulary split over programs (draft_expand's stage 1 + finish), also GPU-only.
     for V in (151936,) if quick else (49152, 151936):
         for F, K in ((1, 4), (16, 8)):
-            scores, logits, _, log_tau = cases._draft_expand(F, V, rows=2)("cpu")
+            scores, logits, _, log_tau = probes.draft_expand(F, V, rows=2)("cpu")
             with recording(f"draft_expand split F={F} V={V} K={K}", recorded):
                 expand_kernel._expand(scores[:, :F], logits[:, :F], K, log_tau, expand_kernel._config(F, V, K), 16)
     # Keys split over programs (flash-decoding: the split kernel and the combine), which the
@@ -218,7 +219,7 @@ def record_launches(quick: bool) -> list[Launch]:
     for dtype in (torch.float32, torch.bfloat16) if quick else (torch.float32, torch.float16, torch.bfloat16):
         for d in (128,) if quick else (64, 128):
             for group, T in ((1, 1), (7, 16)):
-                q, k, v, prefix, block, keys = cases._tree_attention(T, 2048, dtype, hq=2 * group, hkv=2, d=d)("cpu")
+                q, k, v, prefix, block, keys = probes.tree_attention(T, 2048, dtype, hq=2 * group, hkv=2, d=d)("cpu")
                 meta = {**attention_kernel.block_sizes(group * T, d, dtype), "KV_SPLITS": 4}
                 with recording(f"tree_attention split {str(dtype)[6:]} d{d} group {group} T={T}", recorded):
                     attention_kernel._launch(q, k, v, prefix, block, keys, 1.0, torch.empty_like(q), meta)

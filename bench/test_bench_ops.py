@@ -9,7 +9,8 @@ nothing about speed.
 import pytest
 import torch
 
-from bench.cases import CASES, branchy_tree, implementation
+from bench.cases import CASES, implementation
+from graft_tk.kernels.probes import branchy_tree
 
 BACKENDS = ["torch", "triton"]
 

@@ -2,10 +2,11 @@
 
 Forwards are timed at a few widths (1, 2, 3, 4, 6, 8, 12, 16, ...) after ``context`` cached
 tokens and interpolated in between; a curve is made non-decreasing (a wider forward never costs
-less; what looks cheaper is timing noise). How a forward grows with the context: on a 2-core CPU a
-one-token target forward at 3,000 cached tokens costs ~1.1x its cost at 100, so one measurement
-at a few hundred tokens serves every context a decode reaches; a GPU with a very long context
-(tens of thousands) is the case where it should be remeasured at that length.
+less; what looks cheaper is timing noise). How a verify grows with the context: the target's
+curve is timed again after ``context + LONG_CONTEXT`` cached tokens, and the difference per 1,000
+tokens is ``StepCost.verify_ms_per_1k`` (attention reads every cached key, linearly; on a 2-core
+CPU a one-token forward at 3,000 cached tokens costs ~1.1x its cost at 100, on a GPU at tens of
+thousands it is most of the forward). A drafter reads a window of the prompt: one curve.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from graft_tk.models.eagle3 import Eagle3Head
 from graft_tk.tree import Tree
 
 SAMPLE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+LONG_CONTEXT = 2048     # the verify curve is timed again this many cached tokens further
 
 
 def interpolate(points: dict[int, float], n_max: int) -> tuple[float, ...]:
@@ -67,6 +69,12 @@ def measure_step_cost(target, drafter, config, compile: bool | Compile = False, 
     step = StepForward(target.net, scope.target)
     say(f"target {target.name}: forwards of 1 .. {n_max} tokens after {context} cached")
     verify = forward_curve(target.net, step, device, n_max, context, repeats, say)
+    further = min(LONG_CONTEXT, target.config.max_position_embeddings - n_max - context)
+    per_1k: tuple[float, ...] = ()
+    if further > 0:
+        say(f"target {target.name}: forwards of 1 .. {n_max} tokens after {context + further} cached")
+        long = forward_curve(target.net, step, device, n_max, context + further, repeats, say)
+        per_1k = tuple(max(0.0, (b - a) * 1000 / further) for a, b in zip(verify, long))
     draft: tuple[float, ...] = ()
     if isinstance(drafter, Eagle3Head):
         width = drafter.config.fused_size
@@ -87,7 +95,7 @@ def measure_step_cost(target, drafter, config, compile: bool | Compile = False, 
     split = stats["time_split"]
     # Acceptance runs in the decode's "verify" phase, with the forward: timed alone.
     step_ms = 1000 * (split["retrieve"] + split["commit"]) / max(stats["steps"], 1) + accept_ms(engine, repeats)
-    return StepCost(verify_ms=verify, draft_ms=draft, step_ms=step_ms, context=context)
+    return StepCost(verify_ms=verify, draft_ms=draft, step_ms=step_ms, context=context, verify_ms_per_1k=per_1k)
 
 
 def accept_ms(engine, repeats: int) -> float:

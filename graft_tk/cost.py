@@ -1,9 +1,13 @@
 """What a decode step costs on this device: the cost model the adaptive step policy decides by.
 
-``StepCost`` holds three measured curves, in milliseconds:
+``StepCost`` holds measured curves, in milliseconds:
 
-    verify_ms[n - 1]   a target forward of n tokens (a tree of n nodes), n = 1 .. N
-    draft_ms[w - 1]    a drafter forward of w tokens (a frontier of w nodes), w = 1 .. N
+    verify_ms[n - 1]   a target forward of n tokens (a tree of n nodes), n = 1 .. N, after
+                       ``context`` cached tokens
+    verify_ms_per_1k   how much more each costs per 1,000 more cached tokens (the verify's
+                       attention reads the whole context; ``at(context)`` applies it)
+    draft_ms[w - 1]    a drafter forward of w tokens (a frontier of w nodes), w = 1 .. N (a
+                       drafter reads a window of the prompt: its context stays short)
     step_ms            the rest of a step: build the tree, accept, commit, the host read
 
 ``graft_tk.calibration.cost.measure_step_cost`` measures them once per (target, drafter, device,
@@ -12,6 +16,7 @@ config (``GraftConfig.cost``).
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -31,6 +36,7 @@ class StepCost:
     draft_ms: tuple[float, ...]    # [w - 1]: drafter forward of w tokens; () without a drafter
     step_ms: float                 # a step's work outside the model forwards
     context: int = 0               # cached tokens when measured
+    verify_ms_per_1k: tuple[float, ...] = ()   # [n - 1]: verify_ms's growth per 1,000 more cached tokens
 
     def __post_init__(self):
         for name in ("verify_ms", "draft_ms"):
@@ -42,6 +48,21 @@ class StepCost:
             raise InputError("StepCost.verify_ms is empty; measure it with graft-calibrate --cost-only")
         if not self.step_ms >= 0:
             raise InputError(f"StepCost.step_ms must be >= 0, got {self.step_ms!r}")
+        growth = tuple(float(x) for x in self.verify_ms_per_1k)
+        if growth and (len(growth) != len(self.verify_ms) or not all(x >= 0 for x in growth)):
+            raise InputError(f"StepCost.verify_ms_per_1k must be {len(self.verify_ms)} non-negative milliseconds "
+                             f"(one per verify width), got {growth[:4]}...")
+        object.__setattr__(self, "verify_ms_per_1k", growth)
+
+    def at(self, context: int) -> "StepCost":
+        """This cost model after ``context`` cached tokens: each verify grows by its measured slope
+        (never below what was measured: a shorter context is not assumed cheaper)."""
+        if not self.verify_ms_per_1k or context <= self.context:
+            return self
+        k = (context - self.context) / 1000
+        return dataclasses.replace(self, verify_ms=tuple(ms + k * g for ms, g in zip(self.verify_ms,
+                                                                                     self.verify_ms_per_1k)),
+                                   context=context)
 
     def knee(self, ratio: float = KNEE_RATIO) -> int:
         """The widest verify costing at most ``ratio`` times a one-token forward: where a tree's

@@ -5,6 +5,7 @@ Every op has the same signature on both backends (see ``graft_tk.kernels`` and
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,13 +26,18 @@ class Ops:
     prompt_lookup: Callable    # the longest suffix n-gram's latest match in the device context buffer
 
 
-def ops_for(backend: str, device: torch.device | str) -> Ops:
-    """The ops for ``backend`` ("auto" | "triton" | "torch") on ``device``."""
+OPS = ("draft_expand", "retrieve", "build_tree", "accept", "commit_kv", "tree_attention", "prompt_lookup")
+
+
+def ops_for(backend: str, device: torch.device | str, selfcheck: bool | None = None) -> Ops:
+    """The ops for ``backend`` ("auto" | "triton" | "torch") on ``device``. Triton kernels are
+    checked against their references on the device first (``selfcheck``; default: on a GPU),
+    and an op whose kernel fails runs its reference (``graft_tk.kernels.selfcheck``)."""
     backend = resolve_backend(backend, device)
+    ops = {op: getattr(importlib.import_module(f"graft_tk.reference.{op}"), op) for op in OPS}
     if backend == "triton":
-        from .kernels import accept, build_tree, commit_kv, draft_expand, prompt_lookup, retrieve, tree_attention
-    else:
-        from .reference import accept, build_tree, commit_kv, draft_expand, prompt_lookup, retrieve, tree_attention
-    return Ops(backend=backend, draft_expand=draft_expand.draft_expand, retrieve=retrieve.retrieve,
-               build_tree=build_tree.build_tree, accept=accept.accept, commit_kv=commit_kv.commit_kv,
-               tree_attention=tree_attention.tree_attention, prompt_lookup=prompt_lookup.prompt_lookup)
+        from .kernels import selfcheck as check
+        checking = torch.device(device).type == "cuda" if selfcheck is None else selfcheck
+        failed = check.failed_ops(device) if checking else {}
+        ops |= {op: getattr(importlib.import_module(f"graft_tk.kernels.{op}"), op) for op in OPS if op not in failed}
+    return Ops(backend=backend, **ops)

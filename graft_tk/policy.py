@@ -41,6 +41,9 @@ cost model (``graft_tk.cost.StepCost``) and the acceptance estimates (``graft_tk
   ones do. So a retrieved node competes with a drafted one for the same milliseconds, and N is
   an upper bound (``graft-calibrate --cost-only`` sets it at the measured verify's knee).
 
+Every cost is the cost model's at the step's context (``StepCost.at``: the longest row's committed
+tokens): a long prompt makes each verify dearer, while a drafter, reading a window, costs the same.
+
 R is counted in the cost model's milliseconds of the steps taken, not the clock, so the choices
 are reproducible. It starts at plain decoding's rate (one token per one-token verify plus a
 step) and its counts decay by ``RATE_DECAY`` per step, so a change of workload is followed
@@ -75,15 +78,16 @@ class StepPlan:
     log_tau: tuple[float, ...]    # each row's pruning threshold on drafter scores (-inf: never prunes)
     depth: int                    # drafter forwards after the first, at most (its depths)
     top_k: int                    # K: children per expanded node, the frontier's width
+    context: int = 0              # the longest row's committed tokens (what the verify attends over)
 
     @classmethod
-    def fixed(cls, methods: Sequence[Method], config: GraftConfig) -> "StepPlan":
+    def fixed(cls, methods: Sequence[Method], config: GraftConfig, context: int = 0) -> "StepPlan":
         """The config as it is, for rows of these methods: N = budget when any row speculates;
         drafts no deeper or wider than N nodes can verify."""
         N = config.budget if any(m.speculates for m in methods) else 1
         return cls(N, tuple(m.drafts and N > 1 for m in methods),
                    tuple(math.log(config.tau) if m.prune else -math.inf for m in methods),
-                   verifiable(config.max_depth, N), verifiable(config.top_k, N))
+                   verifiable(config.max_depth, N), verifiable(config.top_k, N), context)
 
     @property
     def drafting(self) -> bool:
@@ -151,16 +155,21 @@ class StepPolicy(StepController):
 
     def __init__(self, cost: StepCost, top_k: int, budget: int = 16, draft_rates: list[float] | None = None,
                  fixed_width: bool = False):
-        self.cost, self.draft_rates, self.fixed_width = cost, draft_rates, fixed_width
+        self.measured, self.budget, self.draft_rates, self.fixed_width = cost, budget, draft_rates, fixed_width
         self.top_k = max(verifiable(top_k, budget), 1)     # as wide as the step drafts
-        n = min(budget, len(cost.verify_ms))
-        # what one more verified node costs: the verify curve's mean slope up to N (~0 where flat)
-        self.row_ms = (cost.verify_ms[n - 1] - cost.verify_ms[0]) / (n - 1) if n > 1 else 0.0
+        self.at_context(cost.context)
         self.tokens, self.ms = PRIOR_STEPS, PRIOR_STEPS * (cost.verify_ms[0] + cost.step_ms)
         # drafting steps: drafted nodes accepted, and ms spent (forwards + the drafted nodes' verify rows)
         self.drafted_accepted, self.drafting_steps = PRIOR_STEPS, PRIOR_STEPS
         self.drafting_ms = PRIOR_STEPS * (cost.draft(1) + self.row_ms) if cost.draft_ms else 0.0
         self.steps_without_drafting = 0
+
+    def at_context(self, context: int) -> None:
+        """Decide with the costs after ``context`` cached tokens (``StepCost.at``)."""
+        cost = self.cost = self.measured.at(context)
+        n = min(self.budget, len(cost.verify_ms))
+        # what one more verified node costs: the verify curve's mean slope up to N (~0 where flat)
+        self.row_ms = (cost.verify_ms[n - 1] - cost.verify_ms[0]) / (n - 1) if n > 1 else 0.0
 
     @property
     def rate(self) -> float:
@@ -201,6 +210,7 @@ class StepPolicy(StepController):
     # ---------------------------------------------------------------- as a step controller
     def plan(self, plan: StepPlan, free: Tensor | None) -> StepPlan:
         """Each pruning row's threshold from the cost of a drafter forward; no drafting when it does not pay."""
+        self.at_context(plan.context)
         log_tau = tuple(t if t == -math.inf else self.depth_log_tau(self.draft_rates, SCORE_EDGES, t)
                         for t in plan.log_tau)
         drafts = plan.drafts if self.should_draft() else (False,) * len(plan.drafts)

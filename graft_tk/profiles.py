@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ._cpu import cpu_info
-from ._fs import atomic_write_text, graft_home
+from ._fs import atomic_write_text, exclusive, graft_home
 from ._version import __version__
 from .config import GraftConfig
 from .errors import CorruptFileError, GraftError
@@ -97,7 +97,8 @@ def device_name(device: torch.device) -> str:
     return f"cpu: {cpu}, {os.cpu_count()} cores"
 
 
-_FINGERPRINTS: dict[tuple, str] = {}
+_FINGERPRINTS: dict[str, str] = {}
+FINGERPRINTS_FILE = "fingerprints.json"      # under GRAFT_TK_HOME: {memo key: fingerprint}, across processes
 
 
 def weights_fingerprint(model: Model | Eagle3Head) -> str:
@@ -122,11 +123,28 @@ def weights_fingerprint(model: Model | Eagle3Head) -> str:
             pass  # fall through to hashing the files
     files = sorted(p for p in path.iterdir() if p.is_file() and (p.suffix in (".safetensors", ".bin")
                                                                   or p.name == "config.json"))
-    memo = tuple((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files) + (extra,)
+    memo = json.dumps([[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files] + [extra])
+    if memo not in _FINGERPRINTS:
+        _FINGERPRINTS.update(_stored_fingerprints())
     if memo not in _FINGERPRINTS:
         digests = [extra] + [sha256_file(p) for p in files]
         _FINGERPRINTS[memo] = hashlib.sha256("\n".join(digests).encode()).hexdigest()[:16]
+        with exclusive(graft_home() / (FINGERPRINTS_FILE + ".lock")):
+            stored = _stored_fingerprints()
+            stored[memo] = _FINGERPRINTS[memo]
+            atomic_write_text(graft_home() / FINGERPRINTS_FILE, json.dumps(stored))
     return _FINGERPRINTS[memo]
+
+
+def _stored_fingerprints() -> dict[str, str]:
+    """What earlier processes hashed (a damaged file is ignored: it is rewritten on the next hash)."""
+    try:
+        stored = json.loads((graft_home() / FINGERPRINTS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(stored, dict):
+        return {}
+    return {k: v for k, v in stored.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 # --------------------------------------------------------------------------- files

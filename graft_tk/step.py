@@ -107,8 +107,8 @@ def decode_step(runtime: Runtime, state: SpecState, controller: StepController, 
     t0, committed_before = time.perf_counter(), sum(len(r.out) for r in rows)
     with counting(counters), runtime.kv.rows(0, len(rows)):
         clock = _Clock(rows)
-        proposal = _propose(runtime, state, controller, rows, context, StepPlan.fixed([r.method for r in rows], config),
-                            clock)
+        plan = StepPlan.fixed([r.method for r in rows], config, max(r.length for r in rows))
+        proposal = _propose(runtime, state, controller, rows, context, plan, clock)
         outcome = _verify_and_commit(runtime, state, rows, context, proposal, clock)
         seen = _settle(runtime, state, controller, rows, proposal, outcome, clock)
     record = StepRecord(len(rows), proposal.plan.budget, time.perf_counter() - t0,

@@ -190,14 +190,21 @@ def test_a_quantized_cpu_forward_compiles_frozen_with_its_gemms_autotuned(smollm
         eager = net(tokens, torch.arange(4), 0)
         got = step(tokens, torch.arange(4), 0)
         graphs = counters["stats"]["unique_graphs"]
-        assert graphs >= 1 and counters["inductor"]["select_algorithm_autotune"] >= 1 or \
-            "avx512f" not in Path("/proc/cpuinfo").read_text()
+        assert graphs >= 1
+        # inductor's C++ GEMM templates (what it autotunes) need AVX-512; elsewhere it picks ATen's
+        templates = "avx512f" in Path("/proc/cpuinfo").read_text()
+        assert (counters["inductor"]["select_algorithm_autotune"] >= 1) == templates
         net.kv = None
         net.setup_cache(64)                        # a new cache of the same shape: the same graph
         again = step(tokens, torch.arange(4), 0)
     assert counters["stats"]["unique_graphs"] == graphs
-    assert (got - eager).abs().max() <= 0.02 * eager.abs().max() and torch.equal(again, got)   # bf16 rounding
-    assert (got.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.75
+    diff = (got - eager).abs().max()
+    assert diff <= 0.02 * eager.abs().max() and torch.equal(again, got)   # bf16 rounding
+    # the rounding never changes a choice that is not a near tie: where eager's best two logits are
+    # further apart than twice the largest difference, the compiled forward picks the same token
+    top2 = eager.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * diff
+    assert torch.equal(got.argmax(-1)[clear], eager.argmax(-1)[clear])
 
 
 def test_a_compiled_quantized_prefill_runs_in_fixed_chunks_and_matches_the_eager_one(monkeypatch):

@@ -125,3 +125,44 @@ def test_a_drafter_whose_vocabulary_is_a_prefix_of_the_targets_drafts_losslessly
     bigger = dataclasses.replace(drafter, config=dataclasses.replace(drafter.config, vocab_size=smollm2.config.vocab_size + 1))
     with pytest.raises(InputError, match="a prefix of it"):
         graft_tk.decode(smollm2, prompt, drafter=bigger, method="tree", max_new_tokens=2)
+
+
+def test_a_folders_weights_are_hashed_once_across_processes(folder, tmp_path, monkeypatch):
+    """A checkpoint folder without a registry stamp is hashed once; the next process reads the
+    fingerprint stored by (path, size, mtime), and a changed file is hashed again."""
+    from graft_tk import profiles
+    monkeypatch.setenv("GRAFT_TK_HOME", str(tmp_path / "home"))
+    (folder / STAMP).unlink()
+    model = graft_tk.load_model(folder, dtype="fp32", num_layers=2, progress=False)
+    first = profiles.weights_fingerprint(model)
+    assert (tmp_path / "home" / profiles.FINGERPRINTS_FILE).exists()
+    monkeypatch.setattr(profiles, "_FINGERPRINTS", {})            # a new process
+    hashed = []
+    real = profiles.sha256_file
+    monkeypatch.setattr(profiles, "sha256_file", lambda p: hashed.append(p) or real(p))
+    assert profiles.weights_fingerprint(model) == first and not hashed
+    (folder / "config.json").write_text((folder / "config.json").read_text() + " ")
+    assert profiles.weights_fingerprint(model) != first and hashed
+
+
+def test_a_converted_file_damaged_after_conversion_is_named(smollm2, tmp_path, monkeypatch):
+    """A converted folder keeps every file's sha256: graft-generate --verify-cache names a file
+    changed since (same size, so the load-time size check passes), and a load that fails on a
+    converted file says which one and to delete the folder."""
+    from graft_tk.cli import generate
+    from graft_tk.models.registry import verify_stamp, write_stamp
+    monkeypatch.setenv("GRAFT_TK_HOME", str(tmp_path))
+    folder = tmp_path / "models" / "smollm2-135m"
+    shutil.copytree(smollm2.path, folder)
+    write_stamp(folder, "source-sha")
+    assert verify_stamp(folder) == [] and generate.main(["--model", "smollm2-135m", "--verify-cache"]) == 0
+    weights = next(folder.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1000] ^= 0xFF                                   # one byte of a tensor, the size unchanged
+    weights.write_bytes(bytes(data))
+    assert stamp_ok(folder, "source-sha")                 # the cheap check at every load cannot see it
+    assert [p for p in verify_stamp(folder) if weights.name in p and "sha256" in p]
+    assert generate.main(["--model", "smollm2-135m", "--verify-cache"]) == 2
+    weights.write_bytes(bytes(data[:len(data) // 2]))     # truncated: the load fails and says why
+    with pytest.raises(CorruptFileError, match=f"converted by graft_tk and .*{weights.name}: .* bytes.*Delete"):
+        graft_tk.load_model(folder, dtype="fp32", progress=False)

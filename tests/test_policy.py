@@ -100,6 +100,24 @@ def test_the_verify_takes_the_likeliest_nodes_that_pay_for_their_rows():
     assert StepPolicy(StepCost(verify_ms=(10.0,) * 2, draft_ms=(), step_ms=0.0), top_k=1).verify_width(likely) == 2
 
 
+def test_a_verify_costs_more_after_a_longer_context_and_the_policy_narrows_it():
+    cost = StepCost(verify_ms=(10.0, 10.0, 10.0, 10.0), draft_ms=(), step_ms=0.0, context=256,
+                    verify_ms_per_1k=(0.0, 2.0, 4.0, 6.0))
+    assert cost.at(100) is cost and cost.at(256) is cost            # never assumed cheaper than measured
+    assert cost.at(2256).verify_ms == (10.0, 14.0, 18.0, 22.0) and cost.at(2256).context == 2256
+    policy = StepPolicy(cost, top_k=1, budget=4)
+    likely = [math.log(0.9), math.log(0.5), math.log(0.2)]
+    widths = {}
+    for context in (256, 4256):
+        policy.at_context(context)
+        widths[context] = policy.verify_width(likely)
+    assert widths == {256: 4, 4256: 2}, widths       # at 4k the 3rd node costs 8 ms more: 0.5 < 0.1 * 8
+    with pytest.raises(InputError, match="verify_ms_per_1k must be 4 non-negative"):
+        StepCost(verify_ms=(1.0,) * 4, draft_ms=(), step_ms=0.0, verify_ms_per_1k=(1.0, -1.0, 0.0, 0.0))
+    assert GraftConfig(budget=2, cost={"verify_ms": [1, 2], "draft_ms": [], "step_ms": 0.5,
+                                       "verify_ms_per_1k": [0.5, 1]}).cost.verify_ms_per_1k == (0.5, 1.0)
+
+
 def test_the_knee_is_the_widest_verify_within_its_ratio_of_one_token():
     cost = StepCost(verify_ms=(10.0, 10.5, 12.0, 15.0, 15.1, 30.0), draft_ms=(), step_ms=0.0)
     assert cost.knee() == 4 and cost.knee(ratio=1.2) == 3 and cost.knee(ratio=1.0) == 1 and cost.knee(3.0) == 6
@@ -239,6 +257,8 @@ def test_cost_is_measured_stored_in_the_profile_and_makes_decode_adaptive(smollm
     cost = measure_step_cost(smollm2, self_drafter, config, repeats=1)
     assert len(cost.verify_ms) == 4 and len(cost.draft_ms) == 4 and cost.step_ms > 0
     assert list(cost.verify_ms) == sorted(cost.verify_ms)
+    # timed again 2,048 cached tokens further: attention over 8x the keys costs something
+    assert len(cost.verify_ms_per_1k) == 4 and max(cost.verify_ms_per_1k) > 0
     path = write_profile(profile_key(smollm2, self_drafter), "graft", GraftConfig(budget=4, cost=cost), {},
                          tmp_path)
     assert read_profile(path).config.cost == cost

@@ -441,6 +441,41 @@ def test_sigterm_lets_the_request_in_flight_finish_and_exits(smollm2):
             proc.kill()
 
 
+def test_sigterm_past_the_grace_ends_a_stream_with_an_error_event_and_no_traceback(smollm2):
+    """Issue 54: a streamed request still decoding when --grace runs out is cancelled; its client's
+    last event is a JSON error saying so, the log holds no traceback, the server exits 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "graft_tk.cli.serve", "--model", NAME, "--dtype", "fp32",
+                             "--method", "ar", "--port", "0", "--grace", "1", "--max-model-len", "2048"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        for line in proc.stderr:
+            if m := re.search(r"at http://127\.0\.0\.1:(\d+)/v1", line):
+                port = int(m.group(1))
+                break
+        assert port, "graft-serve did not say where it listens"
+        body = {"model": NAME, "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 1500,
+                "temperature": 1.0, "seed": 7, "stream": True}
+        events, t0 = [], None
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and t0 is None:
+                    proc.send_signal(signal.SIGTERM)          # mid-request; 1 s later it is cancelled
+                    t0 = time.monotonic()
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        assert events[-1] == "[DONE]" and time.monotonic() - t0 < 30
+        last = json.loads(events[-2])
+        assert last["error"]["code"] == "server_shutdown" and "shut down" in last["error"]["message"], last
+        assert len(events) > 3                            # text streamed before the error
+        assert proc.wait(timeout=60) == 0
+        log = proc.stderr.read()
+        assert "finish=cancelled" in log and "Traceback" not in log and "ERROR" not in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_sixteen_hostile_clients_and_a_sigterm_lose_no_request(smollm2):
     """The load test (issue 38): 16 clients, 64 requests mixing greedy, seeded sampled, streamed,
     stop-string and abandoned streams against the real graft-serve (--max-batch 4), SIGTERM after

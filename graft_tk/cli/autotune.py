@@ -3,6 +3,7 @@ width once per CPU, then share the cache with a team and CI.
 
     graft-autotune tune [--kernels tree_attention] [--shapes rows=64,head_dim=128,kv_len=4096,dtype=bfloat16]
     graft-autotune tune --model qwen2.5-coder-1.5b [--dtype bf16] [--quant int8]   # CPU linears
+    graft-autotune check                # every kernel against its torch reference on this GPU
     graft-autotune show
     graft-autotune export FILE          # on the tuning box
     graft-autotune import FILE          # in the serving image / CI
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", default="bf16", help="with --model: its compute dtype (default bf16)")
     t.add_argument("--quant", default="none", help="with --model: its weight format (none, int8, int4, int4-all)")
     t.add_argument("--force", action="store_true", help="retune buckets that already have a usable entry")
+    add("check", "run every Triton kernel beside its torch reference on this GPU (in Triton's interpreter "
+                 "without one), store the verdicts in the cache and print them; exit 1 if one fails")
     add("show", "list the cached entries and whether each is usable here")
     e = add("export", "write the cache to FILE (to import on other machines)")
     e.add_argument("file", type=Path)
@@ -123,6 +126,21 @@ def tune(args, path: Path) -> int:
 
 
 CPU_LINEAR = "cpu_linear"
+
+
+def check(args, path: Path) -> int:
+    import torch
+
+    from ..kernels import selfcheck
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    where = selfcheck.device_name(device)
+    failed = selfcheck.failed_ops(device, force=True, path=path)
+    for op in selfcheck.PROBES:
+        print(f"{op:<15} {'FAILED: ' + failed[op] if op in failed else 'ok'}")
+    print(f"{len(selfcheck.PROBES) - len(failed)} of {len(selfcheck.PROBES)} kernels agree with their torch references "
+          f"on {where}{'' if device.type == 'cuda' else ' (Triton interpreter)'}; verdicts stored in {path}",
+          file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _tune_model(args, path: Path) -> int:
@@ -213,7 +231,7 @@ def clear(args, path: Path) -> int:
     return 0
 
 
-COMMANDS = {"tune": tune, "show": show, "export": export, "import": import_, "merge": merge, "clear": clear}
+COMMANDS = {"tune": tune, "check": check, "show": show, "export": export, "import": import_, "merge": merge, "clear": clear}
 
 
 def _config(config: dict) -> str:

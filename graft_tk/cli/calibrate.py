@@ -13,7 +13,8 @@ The device's cost model (``graft_tk.cost``: target and drafter forwards of 1 .. 
 other work) is measured for the held-out check after the search (``--validate``); with it the
 methods that prune choose their depth and budget per step (``graft_tk.policy``), and the profile
 keeps it when that is faster on the held-out prompts.
-``--cost-only`` measures just the cost model (a few minutes: verifies of up to 64 tokens; without
+``--cost-only`` measures just the cost model (a few minutes: verifies of up to 64 tokens, after 256
+and 2,304 cached tokens, so a step knows what its context costs; without
 a tuned profile the budget N becomes the verify's knee, the widest within 1.5x a one-token
 forward, and each step verifies the part of it that pays) into the pair's profile, then the
 acceptance priors: what the drafter's scores, each retrieval rank and each prompt-lookup match
@@ -256,12 +257,14 @@ def priors_table(priors) -> str:
 
 
 def cost_table(cost) -> str:
-    """The cost model as a markdown table: ms per forward of n tokens, target and drafter."""
+    """The cost model as a markdown table: ms per forward of n tokens, target (and its growth per
+    1,000 more cached tokens) and drafter."""
     n = len(cost.verify_ms)
-    lines = ["| tokens | target forward (ms) | drafter forward (ms) |", "|---|---|---|"]
+    lines = ["| tokens | target forward (ms) | + per 1k cached (ms) | drafter forward (ms) |", "|---|---|---|---|"]
     for i in range(n):
         d = f"{cost.draft_ms[i]:.1f}" if i < len(cost.draft_ms) else "n.a."
-        lines.append(f"| {i + 1} | {cost.verify_ms[i]:.1f} | {d} |")
+        g = f"{cost.verify_ms_per_1k[i]:.1f}" if i < len(cost.verify_ms_per_1k) else "n.a."
+        lines.append(f"| {i + 1} | {cost.verify_ms[i]:.1f} | {g} | {d} |")
     lines.append(f"\nthe rest of a step: {cost.step_ms:.1f} ms; measured after {cost.context} cached tokens")
     return "\n".join(lines)
 

@@ -18,7 +18,7 @@ from ..config import GraftConfig
 from ..methods import METHODS
 from ..decode import decode
 from ..errors import GraftError
-from ..models import load_model
+from ..models import load_model, registry
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the step forwards compiled (torch.compile; the first call compiles, minutes on a "
                         "CPU); 'drafter': only the drafter model's")
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, stats) instead")
+    p.add_argument("--verify-cache", action="store_true",
+                   help="hash the converted folders of --model and its drafter (every quantization) against the "
+                        "sha256 each file had when converted, print what is damaged, and exit: 0 when intact")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -59,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    if args.verify_cache:
+        return verify_cache([args.model, args.drafter or default_drafter(args.model)])
     if args.prompt is None and sys.stdin.isatty():
         print("graft-generate: reading the prompt from the terminal; end it with Ctrl-D (or pass --prompt TEXT)",
               file=sys.stderr)
@@ -93,6 +98,25 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(summary_line(result.stats), file=sys.stderr)
     return 0
+
+
+def verify_cache(names: list[str | None]) -> int:
+    """``--verify-cache``: every converted folder of these models under GRAFT_TK_HOME, hashed."""
+    root = registry.converted_dir("")
+    folders = sorted(f for f in (root.iterdir() if root.is_dir() else ()) if f.is_dir() and any(
+        n and (f.name == n or f.name.startswith(n + "-")) for n in names))
+    if not folders:
+        print(f"graft-generate: no converted folder of {', '.join(n for n in names if n)} under {root}; "
+              "nothing to verify (the first load converts it)", file=sys.stderr)
+        return 0
+    bad = 0
+    for folder in folders:
+        problems = registry.verify_stamp(folder, progress=True)
+        print(f"{folder}: " + ("intact" if not problems else "DAMAGED\n  " + "\n  ".join(problems)), file=sys.stderr)
+        bad += bool(problems)
+    if bad:
+        print("graft-generate: delete the damaged folder(s); the next load converts them again", file=sys.stderr)
+    return 2 if bad else 0
 
 
 def summary_line(s: dict) -> str:

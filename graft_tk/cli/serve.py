@@ -7,7 +7,8 @@
 Requests decode one at a time, first come first served, with one engine whose adjacency matrix
 (retrieval's source) stays warm across requests; up to --max-queue wait, more get 429. Each
 finished request logs one line. SIGTERM (or Ctrl-C) stops accepting, lets requests in flight
-finish for --grace seconds, then cancels the rest.
+finish for --grace seconds, then cancels the rest: their clients get a 503 error (a stream as its
+last event) and the server exits 0.
 """
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     name = args.served_model_name or args.model
     app = create_app(scheduler, name)
-    server = http_server(app, args.grace)
+    server = http_server(app, scheduler, args.grace)
     try:
         sock = socket.create_server((args.host, args.port))     # bound here: --port 0 tells its port below
     except OSError as e:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .._fs import exclusive, graft_home
-from ..errors import InputError, ModelNotFoundError
+from ..errors import CorruptFileError, InputError, ModelNotFoundError
 from . import registry
 from .checkpoint import load_transformer, quant_of, read_config
 from .quant import QUANTS, check_quant
@@ -116,7 +116,15 @@ def load_model(name_or_path: str | Path, *, dtype=None, device=None, num_layers:
     quant = held if held != "none" else quant
     cfg = read_config(path, num_layers)
     tokenizer = Tokenizer(path)
-    net = load_transformer(path, cfg, parse_dtype(dtype), device, quant)
+    try:
+        net = load_transformer(path, cfg, parse_dtype(dtype), device, quant)
+    except CorruptFileError as e:
+        if not (path / registry.STAMP).exists():
+            raise
+        damaged = registry.verify_stamp(path)          # graft_tk converted it: say which file broke since
+        raise CorruptFileError(f"{e}; {path} was converted by graft_tk and " + (
+            "; ".join(damaged) if damaged else "every file still has its converted sha256") +
+            f". Delete {path} and load it again: it is converted again from its verified source") from e
     if num_layers is not None:
         name = f"{name}[:{num_layers}]"
     log.info("loaded %s (%s) from %s in %.1fs", name, quant, path, time.perf_counter() - t0)

@@ -152,14 +152,45 @@ def stamp_ok(path: Path, source_sha: str) -> bool:
         return False
     if stamp.get("source_sha256") != source_sha or stamp.get("converter_version") != CONVERTER_VERSION:
         return False
-    # Sizes catch a truncated file without re-hashing gigabytes on every load.
-    return all((path / f).exists() and (path / f).stat().st_size == size for f, size in stamp["files"].items())
+    # Sizes catch a truncated file without re-hashing gigabytes on every load (verify_stamp hashes).
+    return all((path / f).exists() and (path / f).stat().st_size == _size(entry)
+               for f, entry in stamp["files"].items())
 
 
-def write_stamp(path: Path, source_sha: str) -> None:
-    files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and p.name != STAMP}
+def _size(entry) -> int | None:
+    """A stamp's file entry: {"size", "sha256"} (an int size in stamps written before 0.6)."""
+    return entry if isinstance(entry, int) else entry.get("size") if isinstance(entry, dict) else None
+
+
+def write_stamp(path: Path, source_sha: str, progress: bool = False) -> None:
+    """Stamp a converted folder: its source, the converter, and every file's size and sha256."""
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p, progress)}
+             for p in sorted(path.iterdir()) if p.is_file() and p.name != STAMP}
     atomic_write_text(path / STAMP, json.dumps(
         {"source_sha256": source_sha, "converter_version": CONVERTER_VERSION, "files": files}, indent=1))
+
+
+def verify_stamp(path: Path, progress: bool = False) -> list[str]:
+    """Hash every file a converted folder's stamp lists: what is damaged or missing, one line each
+    (empty: every file is as converted). A folder without a stamp, or stamped before per-file
+    hashes, is one line saying so."""
+    try:
+        stamp = json.loads((path / STAMP).read_text())
+        files = stamp["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"{path} has no readable {STAMP}: it was not converted by graft_tk, or its conversion did not end"]
+    problems = []
+    for name, entry in sorted(files.items()):
+        f = path / name
+        if not isinstance(entry, dict) or "sha256" not in entry:
+            return [f"{path} was converted before graft_tk 0.6 kept per-file hashes; delete it to convert again"]
+        if not f.exists():
+            problems.append(f"{f}: missing")
+        elif f.stat().st_size != entry["size"]:
+            problems.append(f"{f}: {f.stat().st_size} bytes, converted as {entry['size']}")
+        elif sha256_file(f, progress) != entry["sha256"]:
+            problems.append(f"{f}: its sha256 is not the converted file's (damaged after conversion)")
+    return problems
 
 
 def hf_cache_dirs() -> list[Path]:

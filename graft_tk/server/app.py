@@ -37,6 +37,9 @@ KEEP_ALIVE_S = 75
 # The largest request body read (413 past it): a 32k-token prompt is ~130 KB of text, JSON-escaped
 # maybe twice that; a client sending more is broken or hostile, and the body is held in memory.
 MAX_BODY_BYTES = 4 << 20
+# After --grace, the cancelled requests' last answers go out within a decode step (a prefill
+# in progress runs to its end); uvicorn waits this much longer before it cancels a connection.
+SHUTDOWN_MARGIN_S = 30.0
 
 
 def create_app(scheduler: Scheduler, served_name: str) -> Starlette:
@@ -82,6 +85,8 @@ def create_app(scheduler: Scheduler, served_name: str) -> Starlette:
         if job.error is not None:
             return error(APIError(500, f"decoding failed: {type(job.error).__name__}: {job.error}",
                                   type="server_error"))
+        if job.shut_down:
+            return error(_shut_down(job))
         return JSONResponse(_final(job, served_name))
 
     async def models(request: HTTPRequest) -> Response:
@@ -200,9 +205,12 @@ async def _events(job: Job, served_name: str):
             if len(text) > sent:
                 yield _sse({**_envelope(job, served_name, True), "choices": [_choice(job, text[sent:], None, True)]})
                 sent = len(text)
-            if done:
+            if done and job.shut_down:
+                yield _sse(_shut_down(job).body())
+            elif done:
                 yield _sse({**_envelope(job, served_name, True), "choices": [_choice(job, "", job.finish_reason, True)],
                             "usage": _usage(job)})
+            if done:
                 yield "data: [DONE]\n\n"
                 break
     finally:
@@ -210,15 +218,32 @@ async def _events(job: Job, served_name: str):
             job.cancel()
 
 
+def _shut_down(job: Job) -> APIError:
+    return APIError(503, f"the server shut down before this request finished ({len(job.tokens)} tokens decoded, "
+                         "not all sent); send it again when the server is back", type="server_error",
+                    code="server_shutdown")
+
+
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def http_server(app: Starlette, grace: float | None = None):
-    """The uvicorn server graft-serve runs ``app`` on (``grace``: seconds open requests get at shutdown)."""
+def http_server(app: Starlette, scheduler: Scheduler | None = None, grace: float | None = None):
+    """The uvicorn server graft-serve runs ``app`` on. With ``scheduler`` and ``grace``: at SIGTERM /
+    Ctrl-C the scheduler stops accepting, lets the requests in flight finish for ``grace`` seconds,
+    then cancels the rest, whose clients get a 503 error (a streaming one as its last event);
+    uvicorn waits SHUTDOWN_MARGIN_S longer for those answers to go out before it cancels anything."""
     import uvicorn
-    return uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S,
-                                         timeout_graceful_shutdown=grace))
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if scheduler is not None and not self.should_exit:
+                threading.Thread(target=scheduler.shutdown, args=(grace or 0.0,), daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    timeout = None if grace is None else grace + SHUTDOWN_MARGIN_S
+    return Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S,
+                                 timeout_graceful_shutdown=timeout))
 
 
 @contextlib.contextmanager

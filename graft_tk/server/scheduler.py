@@ -45,6 +45,7 @@ class Job:
         self.stats: dict = {}
         self.created, self.started, self.finished = time.time(), None, None
         self.cancelled = threading.Event()
+        self.shut_down = False             # cancelled because the server stopped (its client gets an error)
         self._loop, self._changed = loop, asyncio.Event()
 
     # --- decode thread
@@ -113,7 +114,10 @@ class Job:
         self._notify()
 
     def _notify(self) -> None:
-        self._loop.call_soon_threadsafe(self._changed.set)
+        try:
+            self._loop.call_soon_threadsafe(self._changed.set)
+        except RuntimeError:        # the event loop is closed: no handler is left to tell
+            pass
 
     # --- event loop
     @property
@@ -125,7 +129,8 @@ class Job:
         await self._changed.wait()
         self._changed.clear()
 
-    def cancel(self) -> None:
+    def cancel(self, shutting_down: bool = False) -> None:
+        self.shut_down = self.shut_down or shutting_down
         self.cancelled.set()
 
 
@@ -303,9 +308,9 @@ class Scheduler:
             except queue.Empty:
                 break
             if job is not None:
-                job.cancel()
+                job.cancel(shutting_down=True)
                 self._finish(job, {})
         for job in list(self.running.values()):
-            job.cancel()
+            job.cancel(shutting_down=True)
         self._queue.put(None)
         self._thread.join(timeout=60)
