@@ -7,7 +7,7 @@ given. A profile is a JSON file under ``$GRAFT_TK_PROFILE_DIR`` (default
     {"format": "graft_tk.profile/4",
      "key": {"target": "qwen2.5-coder-1.5b", "target_weights": "cc32...", "drafter": ...,
              "drafter_weights": ..., "device": "cpu: Intel(R) Xeon(R) ...", "dtype": "bfloat16",
-             "graft_tk": "0.5.0"},
+             "graft_tk": "0.6.0"},
      "method": "graft", "config": {GraftConfig fields}, "measured": {tokens/s, MAT, ...}}
 
 The file name finds the profile; the full key decides whether it may be used. A profile whose

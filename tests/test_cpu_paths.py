@@ -101,8 +101,14 @@ def test_a_loaded_bf16_model_gets_plans_and_its_forward_matches_the_native_one(s
             m.paths = None
         net.head_paths = None
         native = net(tokens, torch.arange(20), 0)
-    torch.testing.assert_close(planned, native, rtol=0.05, atol=0.05 * native.abs().max().item())
-    assert (planned.argmax(-1) == native.argmax(-1)).float().mean() > 0.9
+    # the two paths round the same fp32 sums to bf16 in each layer: a few bf16 steps (2^-8 of a
+    # value) at the logits' scale (measured on a Zen 4: 0.64% of the largest logit), and no
+    # choice moves that is not a near tie
+    diff = (planned - native).abs().max()
+    assert diff <= 2 ** -6 * native.abs().max()
+    top2 = native.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * diff
+    assert clear.any() and torch.equal(planned.argmax(-1)[clear], native.argmax(-1)[clear])
     fp32 = graft_tk.load_model("smollm2-135m", dtype="fp32", num_layers=1, progress=False).net
     assert all(m.paths is None for m in fp32.modules() if isinstance(m, Linear)) and fp32.head_paths is None
 

@@ -7,6 +7,7 @@ distribution (chi-square against exact probabilities on a tiny random model).
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -346,6 +347,18 @@ def test_sampling_matches_the_exact_joint_distribution(tiny_pair):
     top_p 0.8 (plain sampling; every method draws these same tokens, tested below and above)."""
     target, drafter, exact = tiny_pair
     counts = sample_joint("ar", target, drafter, N_SAMPLES, 0.7, 0.8)
+    stat, df = chi2(counts, exact)
+    assert stat < chi2_critical(df), (stat, df)
+
+
+def test_adaptive_sampling_matches_the_exact_joint_distribution(tiny_pair):
+    """Drafting, depth and verify width chosen per step by a steep cost model (graft, every source,
+    one request at a time: what the policy steers) still sample the target's exact joint distribution."""
+    from graft_tk.cost import StepCost
+    target, drafter, exact = tiny_pair
+    cost = StepCost(verify_ms=(10.0, 12.0, 15.0, 19.0, 24.0, 30.0), draft_ms=(0.5, 1.0), step_ms=1.0)
+    counts = sample_joint("graft", target, drafter, N_SAMPLES, 0.7, 0.8,
+                          config=dataclasses.replace(SAMPLING_CONFIG, cost=cost), max_batch=1)  # alone: steered
     stat, df = chi2(counts, exact)
     assert stat < chi2_critical(df), (stat, df)
 

@@ -176,5 +176,5 @@ def _converted(gguf_path: Path, dir_name: str, source_key: str, progress: bool, 
         if out.exists():
             log.warning("%s is incomplete or stale; converting %s again", out, gguf_path)
         convert_gguf(gguf_path, out, progress=progress, quant=quant)
-        registry.write_stamp(out, source_key)
+        registry.write_stamp(out, source_key, progress)
     return out
