@@ -1,5 +1,6 @@
 """GGUF -> HF checkpoint conversion, checked against transformers' own GGUF loader (the oracle)."""
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -226,3 +227,21 @@ def test_unsupported_architecture_raises(tmp_path):
 def test_missing_file_raises_model_not_found(tmp_path):
     with pytest.raises(ModelNotFoundError, match="nope.gguf"):
         convert_gguf(tmp_path / "nope.gguf", tmp_path / "out", progress=False)
+
+
+def test_a_bf16_load_converts_a_bf16_folder_with_the_values_a_float32_folder_gives(smollm2_gguf, tmp_path,
+                                                                                  monkeypatch):
+    """The default dtype's cache holds bf16 (half the bytes); its weights equal the float32
+    folder's cast to bf16, bit for bit; a bf16 load reuses a float32 folder already there."""
+    import graft_tk
+    from graft_tk.models import resolve
+    monkeypatch.setenv("GRAFT_TK_HOME", str(tmp_path))
+    bf16 = graft_tk.load_model(smollm2_gguf, dtype="bf16", progress=False)
+    fp32 = graft_tk.load_model(smollm2_gguf, dtype="fp32", progress=False)
+    assert bf16.path.name.endswith("-bf16") and not fp32.path.name.endswith("-bf16")
+    size = lambda p: sum(f.stat().st_size for f in p.glob("*.safetensors"))  # noqa: E731
+    assert size(bf16.path) < 0.51 * size(fp32.path)
+    cast = {k: v.to(torch.bfloat16) for k, v in fp32.net.named_parameters()}
+    assert all(torch.equal(v, cast[k]) for k, v in bf16.net.named_parameters())
+    shutil.rmtree(bf16.path)
+    assert resolve(str(smollm2_gguf), progress=False, dtype=torch.bfloat16)[1] == fp32.path   # no new conversion

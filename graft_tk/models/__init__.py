@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -109,7 +110,7 @@ def load_model(name_or_path: str | Path, *, dtype=None, device=None, num_layers:
     quant = check_quant(quant)
     device = parse_device(device)
     t0 = time.perf_counter()
-    name, path = resolve(str(name_or_path), progress, quant)
+    name, path = resolve(str(name_or_path), progress, quant, parse_dtype(dtype))
     held = quant_of(path)
     if held != "none" and quant not in ("none", held):
         raise InputError(f"{path} holds {held} weights; load it with quant={held!r} (or its float source with {quant!r})")
@@ -131,9 +132,10 @@ def load_model(name_or_path: str | Path, *, dtype=None, device=None, num_layers:
     return Model(name=name, path=path, config=cfg, tokenizer=tokenizer, net=net, quant=quant)
 
 
-def resolve(name: str, progress: bool = True, quant: str = "none") -> tuple[str, Path]:
+def resolve(name: str, progress: bool = True, quant: str = "none", dtype: torch.dtype = torch.float32
+            ) -> tuple[str, Path]:
     """(display name, checkpoint folder) for anything ``load_model`` accepts; a GGUF source with
-    ``quant`` gets its quantized folder (a float folder otherwise: quantized on load)."""
+    ``quant`` gets its quantized folder, else the float folder ``dtype`` reads (``_float_dirs``)."""
     p = Path(name).expanduser()
     if p.is_dir():
         if not (p / "config.json").exists():
@@ -146,14 +148,11 @@ def resolve(name: str, progress: bool = True, quant: str = "none") -> tuple[str,
         # Keyed by path, size and mtime: a changed file gets a fresh conversion without re-hashing.
         st = p.stat()
         key = hashlib.sha1(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        return p.stem, _converted(p, _quant_dir(f"gguf-{p.stem}-{key}", quant), key, progress, quant)
+        return p.stem, _converted(lambda: p, _float_dirs(f"gguf-{p.stem}-{key}", quant, dtype), key, progress, quant)
     if name in registry.REGISTRY:
         entry = registry.REGISTRY[name]
-        out = registry.converted_dir(_quant_dir(name, quant))
-        if registry.stamp_ok(out, entry.sha256):
-            return name, out
-        return name, _converted(registry.fetch_gguf(entry, progress), _quant_dir(name, quant), entry.sha256, progress,
-                                quant)
+        return name, _converted(lambda: registry.fetch_gguf(entry, progress), _float_dirs(name, quant, dtype),
+                                entry.sha256, progress, quant)
     repo_id = registry.HF_ALIASES.get(name, name)
     if "/" in repo_id:
         snap = registry.find_in_hf_cache(repo_id)
@@ -162,19 +161,38 @@ def resolve(name: str, progress: bool = True, quant: str = "none") -> tuple[str,
     raise registry.not_found(name)
 
 
+def _float_dirs(dir_name: str, quant: str, dtype: torch.dtype) -> list[str]:
+    """The converted folders that serve a load, the one to convert into first: a quantized
+    folder; for bf16 its own bf16 folder (half the disk; cast at load, a float32 folder gives the
+    same values), or a float32 one already there; float32 for every other dtype."""
+    if quant != "none":
+        return [_quant_dir(dir_name, quant)]
+    return [f"{dir_name}-bf16", dir_name] if dtype == torch.bfloat16 else [dir_name]
+
+
 def _quant_dir(dir_name: str, quant: str) -> str:
     return dir_name if quant == "none" else f"{dir_name}-{quant}"
 
 
-def _converted(gguf_path: Path, dir_name: str, source_key: str, progress: bool, quant: str = "none") -> Path:
+def _converted(source: Callable[[], Path], dir_names: list[str], source_key: str, progress: bool,
+               quant: str = "none") -> Path:
+    """The first of ``dir_names`` already converted from ``source_key``, else the first converted
+    now from the GGUF file ``source()`` (fetched only then)."""
     from .gguf import convert_gguf  # imports the gguf package only when a conversion is needed
 
+    for dir_name in dir_names:
+        out = registry.converted_dir(dir_name)
+        if registry.stamp_ok(out, source_key) and quant_of(out) == quant:
+            return out
+    dir_name = dir_names[0]
     out = registry.converted_dir(dir_name)
     with exclusive(graft_home() / "locks" / f"{dir_name}.lock"):   # two processes loading it first: one converts
         if registry.stamp_ok(out, source_key) and quant_of(out) == quant:
             return out
+        gguf_path = source()
         if out.exists():
             log.warning("%s is incomplete or stale; converting %s again", out, gguf_path)
-        convert_gguf(gguf_path, out, progress=progress, quant=quant)
+        convert_gguf(gguf_path, out, progress=progress, quant=quant,
+                     dtype=torch.bfloat16 if dir_name.endswith("-bf16") else torch.float32)
         registry.write_stamp(out, source_key, progress)
     return out

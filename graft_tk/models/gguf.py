@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from graft_tk._fs import atomic_dir
 from graft_tk.errors import CorruptFileError, ModelNotFoundError, UnsupportedModelError
@@ -64,12 +65,14 @@ _LLAMA3_SPLIT = (
 _CONTROL, _USER_DEFINED = 3, 4
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True, quant: str = "none") -> Path:
+def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True, quant: str = "none",
+                 dtype: torch.dtype = torch.float32) -> Path:
     """Write an HF checkpoint folder for ``gguf_path`` at ``out_dir`` and return ``out_dir``.
 
     The folder (config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
     generation_config.json) appears atomically: on any error no ``out_dir`` is left behind.
-    ``quant="none"``: every tensor in float32. ``"int8"`` / ``"int4"``: the linear layers
+    ``quant="none"``: every tensor in ``dtype`` (float32, or bfloat16: the values a float32
+    folder gives once a bf16 load casts them, in half the bytes). ``"int8"`` / ``"int4"``: the linear layers
     quantized from their GGUF blocks (``_linear_formats``) and a ``quant.json`` saying which format
     each got; the embedding in fp16, norms and biases in fp32; no float32 copy of a linear layer
     is ever written. Raises UnsupportedModelError for an architecture or tokenizer we cannot
@@ -94,7 +97,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True, quant
     log.info("converting %s (%s, %d tensors) to %s", gguf_path, arch, len(plan), out_dir)
     with atomic_dir(out_dir) as tmp:
         if quant == "none":
-            _write_safetensors(tmp / "model.safetensors", plan, gguf_path, progress)
+            _write_safetensors(tmp / "model.safetensors", plan, gguf_path, progress, dtype)
         else:
             formats = _write_quantized(tmp / "model.safetensors", plan, gguf_path, progress, quant)
             (tmp / "quant.json").write_text(json.dumps({"quant": quant, "group": 32, "formats": formats}, indent=1))
@@ -213,8 +216,8 @@ def _plan_tensors(reader, path: Path, arch: str, config: dict) -> list[tuple[str
     return plan
 
 
-def _write_safetensors(dest: Path, plan, path: Path, progress: bool) -> None:
-    """Stream float32 tensors into a safetensors file, one tensor in memory at a time.
+def _write_safetensors(dest: Path, plan, path: Path, progress: bool, dtype: torch.dtype = torch.float32) -> None:
+    """Stream float32 (or bfloat16) tensors into a safetensors file, one tensor in memory at a time.
 
     safetensors' own writers need every tensor in memory at once (6 GB for a 1.5B model in
     float32); the format is simple enough to write directly: an 8-byte little-endian header
@@ -222,10 +225,13 @@ def _write_safetensors(dest: Path, plan, path: Path, progress: bool) -> None:
     """
     from tqdm import tqdm
 
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"a converted folder holds float32 or bfloat16, not {dtype}")
+    width, tag = (4, "F32") if dtype == torch.float32 else (2, "BF16")
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, _, shape, _ in plan:
-        size = 4 * int(np.prod(shape))
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        size = width * int(np.prod(shape))
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # keep the tensor data 8-byte aligned, as safetensors does
@@ -234,7 +240,10 @@ def _write_safetensors(dest: Path, plan, path: Path, progress: bool) -> None:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for name, t, shape, heads in tqdm(plan, desc="dequantising", unit="tensor",
                                           disable=not progress, file=sys.stderr):
-            f.write(_dequantized(t, shape, heads, path).astype("<f4", copy=False).tobytes())
+            values = _dequantized(t, shape, heads, path).astype("<f4", copy=False)
+            if dtype == torch.bfloat16:      # round to nearest even, as a load's .to(bfloat16) does
+                values = torch.tensor(values).to(torch.bfloat16).view(torch.int16).numpy()
+            f.write(values.tobytes())
 
 
 _FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
@@ -275,7 +284,6 @@ def _write_quantized(dest: Path, plan, path: Path, progress: bool, quant: str) -
     """Quantize the linear layers tensor by tensor (``_linear_formats``) into a safetensors file
     of ``NAME.qweight`` / ``NAME.scales`` / ``NAME.zeros`` (NAME = the HF weight name without
     ``.weight``); other tensors float (the embedding fp16). Returns the formats."""
-    import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
 

@@ -101,6 +101,7 @@ def default_drafter(target: str) -> str | None:
     """The built-in drafter of a built-in target served from its converted folder (``model_path``)."""
     path = Path(target).expanduser().resolve()
     for entry in registry.REGISTRY.values():
-        if entry.drafter and path == registry.converted_dir(entry.name).resolve():
+        if entry.drafter and path in (registry.converted_dir(entry.name).resolve(),
+                                      registry.converted_dir(entry.name + "-bf16").resolve()):
             return entry.drafter
     return None
