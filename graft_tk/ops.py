@@ -6,12 +6,15 @@ Every op has the same signature on both backends (see ``graft_tk.kernels`` and
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .backend import resolve_backend
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,4 +43,7 @@ def ops_for(backend: str, device: torch.device | str, selfcheck: bool | None = N
         checking = torch.device(device).type == "cuda" if selfcheck is None else selfcheck
         failed = check.failed_ops(device) if checking else {}
         ops |= {op: getattr(importlib.import_module(f"graft_tk.kernels.{op}"), op) for op in OPS if op not in failed}
+    log.info("ops on %s: %s", device, ", ".join(
+        f"{op} {'Triton kernel' if fn.__module__.startswith('graft_tk.kernels') else 'torch reference'}"
+        for op, fn in ops.items()))
     return Ops(backend=backend, **ops)

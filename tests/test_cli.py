@@ -56,3 +56,10 @@ def test_autotune_show_and_export_of_an_empty_cache(tmp_path):
     assert r.returncode == 0 and r.stdout.startswith(f"{cache}: 0 entries"), r.stderr
     r = run("graft_tk.cli.autotune", "--cache", cache, "export", str(tmp_path / "out.json"))
     assert r.returncode == 2 and "nothing to export" in r.stderr
+
+
+def test_generate_verbose_says_which_path_each_op_runs(smollm2):
+    r = run("graft_tk.cli.generate", "--model", "smollm2-135m", "--prompt", "Hi", "--max-new-tokens", "2", "-v")
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("ops on cpu: "))
+    assert all(f"{op} torch reference" in line for op in ("draft_expand", "accept", "tree_attention", "prompt_lookup"))
