@@ -114,6 +114,28 @@ def test_models_health_and_metrics(server, client):
     assert metric(url, "completion_tokens_total") >= 3 and metric(url, "mean_accepted_tokens") >= 1
 
 
+def test_metrics_time_the_first_token_and_each_streamed_token(server, client):
+    """Time to first token (one sample per request) and inter-token latency (each token's share of
+    the wait for the chunk that carried it: one sample per token after the first)."""
+    url, _ = server
+    before = {n: metric(url, n) for n in ("time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                                          "time_to_first_token_seconds_sum", "request_latency_seconds_sum")}
+    t0 = time.monotonic()
+    chunks = list(client.completions.create(model=NAME, prompt="Count: 1, 2, 3,", temperature=0, max_tokens=12,
+                                            stream=True))
+    elapsed = time.monotonic() - t0
+    after = {n: metric(url, n) for n in before}
+    tokens = metric(url, "completion_tokens_total")
+    assert after["time_to_first_token_seconds_count"] - before["time_to_first_token_seconds_count"] == 1
+    ttft = after["time_to_first_token_seconds_sum"] - before["time_to_first_token_seconds_sum"]
+    latency = after["request_latency_seconds_sum"] - before["request_latency_seconds_sum"]
+    assert 0 < ttft <= latency <= elapsed and len(chunks) > 1
+    # every token of the answer after the first is one sample (a step commits one or more)
+    assert 0 < after["inter_token_latency_seconds_count"] - before["inter_token_latency_seconds_count"] <= 11
+    text = httpx.get(url + "/metrics").text
+    assert 'graft_inter_token_latency_seconds_bucket{le="+Inf"}' in text and tokens > 0
+
+
 def test_an_idle_connection_outlives_the_clients_keep_alive(server):
     """The server keeps an idle connection open past httpx's keep-alive (5 s, the OpenAI client's),
     so the client closes first. At uvicorn's default, also 5 s, both closed together and a request

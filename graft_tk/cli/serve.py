@@ -8,7 +8,9 @@ Requests decode one at a time, first come first served, with one engine whose ad
 (retrieval's source) stays warm across requests; up to --max-queue wait, more get 429. Each
 finished request logs one line. SIGTERM (or Ctrl-C) stops accepting, lets requests in flight
 finish for --grace seconds, then cancels the rest: their clients get a 503 error (a stream as its
-last event) and the server exits 0.
+last event) and the server exits 0. GET /metrics (Prometheus text): requests and tokens, time to
+first token and inter-token latency histograms, accepted tokens by source, steps by batch size
+and tree budget (budget 1: no speculation).
 """
 from __future__ import annotations
 

@@ -9,7 +9,27 @@ import threading
 from collections import Counter
 
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250)   # seconds, request end to end
+TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)     # seconds per streamed token
 PREFIX = "graft"
+
+
+class Histogram:
+    """A Prometheus histogram: cumulative counts at fixed upper bounds, their sum and count."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds, self.counts, self.sum, self.count = bounds, [0] * len(bounds), 0.0, 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        for i, bound in enumerate(self.bounds):
+            self.counts[i] += times * (value <= bound)
+        self.sum += value * times
+        self.count += times
+
+    def render(self, name: str, help_text: str) -> list[str]:
+        name = f"{PREFIX}_{name}"
+        return ([f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+                + [f'{name}_bucket{{le="{b:g}"}} {n}' for b, n in zip(self.bounds, self.counts)]
+                + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum:g}", f"{name}_count {self.count}"])
 
 
 class Metrics:
@@ -22,8 +42,9 @@ class Metrics:
         self.accepted_by_source: Counter = Counter()
         self.accepted_by_depth: Counter = Counter()
         self.phase_seconds: Counter = Counter()     # prefill, draft, retrieve, verify, commit
-        self.latency_buckets = [0] * len(LATENCY_BUCKETS)
-        self.latency_sum, self.latency_count = 0.0, 0
+        self.latency = Histogram(LATENCY_BUCKETS)           # arrival to the last token
+        self.first_token = Histogram(LATENCY_BUCKETS)       # arrival to the first token
+        self.per_token = Histogram(TOKEN_BUCKETS)           # a chunk's wait over the tokens it carries
         self.rejected: Counter = Counter()          # HTTP status of requests refused before decoding
         # batched steps by (requests in the step, tree budget N; 1 = no speculation)
         self.batch_steps: Counter = Counter()
@@ -57,10 +78,11 @@ class Metrics:
             self.accepted_by_depth.update({int(k): v for k, v in s.get("accepted_by_depth", {}).items()})
             self.phase_seconds["prefill"] += s.get("prefill_seconds", 0.0)
             self.phase_seconds.update(s.get("time_split", {}))
-            for i, bound in enumerate(LATENCY_BUCKETS):
-                self.latency_buckets[i] += latency <= bound
-            self.latency_sum += latency
-            self.latency_count += 1
+            self.latency.observe(latency)
+            if job.first_token_at is not None:
+                self.first_token.observe(job.first_token_at - job.created)
+            for wait, tokens in job.chunk_waits:
+                self.per_token.observe(wait / tokens, tokens)
 
     def render(self, queued: int, running: int) -> str:
         with self._lock:
@@ -104,9 +126,11 @@ class Metrics:
                    "budget.", [({"size": b, "budget": n}, self.batch_step_tokens[b, n]) for b, n in by_size])
             metric("queue_depth", "gauge", "Requests waiting to decode.", [({}, queued)])
             metric("requests_running", "gauge", "Requests decoding now.", [({}, running)])
-            name = f"{PREFIX}_request_latency_seconds"
-            out += [f"# HELP {name} Request time from arrival to its last token.", f"# TYPE {name} histogram"]
-            out += [f'{name}_bucket{{le="{b:g}"}} {n}' for b, n in zip(LATENCY_BUCKETS, self.latency_buckets)]
-            out += [f'{name}_bucket{{le="+Inf"}} {self.latency_count}', f"{name}_sum {self.latency_sum:g}",
-                    f"{name}_count {self.latency_count}"]
+            out += self.latency.render("request_latency_seconds", "Request time from arrival to its last token.")
+            out += self.first_token.render("time_to_first_token_seconds",
+                                           "Request time from arrival to its first token (queue and prefill).")
+            out += self.per_token.render("inter_token_latency_seconds",
+                                         "Each token's share of the wait for the chunk that carried it (the "
+                                         "wait between two chunks over the tokens of the later; one sample "
+                                         "per token).")
         return "\n".join(out) + "\n"

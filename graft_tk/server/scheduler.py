@@ -44,6 +44,8 @@ class Job:
         self.error: BaseException | None = None
         self.stats: dict = {}
         self.created, self.started, self.finished = time.time(), None, None
+        self.first_token_at: float | None = None      # when its first token was committed
+        self.chunk_waits: list[tuple[float, int]] = []   # (seconds since the previous chunk, its tokens)
         self.cancelled = threading.Event()
         self.shut_down = False             # cancelled because the server stopped (its client gets an error)
         self._loop, self._changed = loop, asyncio.Event()
@@ -54,6 +56,12 @@ class Job:
         job's own code raised: it fails alone, the step and the batch go on)."""
         if self.cancelled.is_set() or self.error is not None:
             return True
+        now = time.time()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        elif new:
+            self.chunk_waits.append((now - self._last_chunk_at, len(new)))
+        self._last_chunk_at = now
         try:
             self.tokens += new
             text, stopped = self._cut(self._tokenizer.decode(self.tokens))
