@@ -11,7 +11,8 @@ batch size that ``graft-calibrate --batch B`` profiles give (the pair's own prof
 Which method goes first alternates from one B to the next. For B = 1 every method's server runs at
 once and the one client sends each request to each in turn (request-level interleaving: this
 machine's speed drifts by 10-15% over minutes, more than two sequential cells can tell apart). Reported per (B, method): requests/s,
-output tokens/s, p50 / p95 latency, the most requests decoded together, where the decode thread's time went (prefills, and steps by the number of requests in
+output tokens/s, p50 / p95 latency, time to first token and per-token latency (p50 / p99, from
+the server: a step's wait over the tokens it committed, as a streaming client would get them), the most requests decoded together, where the decode thread's time went (prefills, and steps by the number of requests in
 them and their tree budget N; N = 1 is a step without speculation), and every answer checked equal
 to the same prompt's answer under ``ar`` (greedy decoding is lossless, batched or not). With B = 1
 it also times the same requests through ``graft_tk.decode`` directly (prefill included, as the
@@ -114,6 +115,37 @@ def load(urls: list[str], prompts: list[str], clients: int, per_client: int, max
     return results
 
 
+class Samples(Metrics):
+    """The server's metrics, plus every request's time to first token and every token's latency
+    (a step's wait over the tokens it committed, as a streaming client gets them), for percentiles."""
+
+    def __init__(self):
+        super().__init__()
+        self.first_token_s: list[float] = []
+        self.per_token_s: list[float] = []
+
+    def observe(self, job) -> None:
+        super().observe(job)
+        if job.first_token_at is not None:
+            self.first_token_s.append(job.first_token_at - job.created)
+        for wait, tokens in job.chunk_waits:
+            self.per_token_s += [wait / tokens] * tokens
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0..1) of ``values`` (nan when empty)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def latencies(samples: Samples) -> dict:
+    return {"ttft_p50_s": percentile(samples.first_token_s, 0.5), "ttft_p99_s": percentile(samples.first_token_s, 0.99),
+            "token_p50_ms": 1000 * percentile(samples.per_token_s, 0.5),
+            "token_p99_ms": 1000 * percentile(samples.per_token_s, 0.99)}
+
+
 def time_split(metrics: Metrics) -> dict:
     """Where the decode thread's time went: prefills, and steps by (requests in the step, budget N)."""
     out = {"prefill": {"seconds": metrics.phase_seconds["prefill"]}}
@@ -127,7 +159,8 @@ def report(r: dict) -> None:
     split = ", ".join(f"{k} {v['seconds']:.1f} s" + (f" {v['tokens'] / v['seconds']:.1f} tok/s" if "tokens" in v
                                                      and v["seconds"] else "") for k, v in r["time_split"].items())
     print(f"B={r['batch']} {r['method']:8s} {r['requests_per_s']:.3f} req/s {r['output_tokens_per_s']:.2f} tok/s "
-          f"p50 {r['latency_p50_s']:.1f} s p95 {r['latency_p95_s']:.1f} s peak batch {r['peak_batch']} {split}",
+          f"p50 {r['latency_p50_s']:.1f} s p95 {r['latency_p95_s']:.1f} s first token p99 {r['ttft_p99_s']:.2f} s "
+          f"per token p99 {r['token_p99_ms']:.0f} ms peak batch {r['peak_batch']} {split}",
           file=sys.stderr, flush=True)
 
 
@@ -173,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         if policy:
             source += "; by batch size " + ", ".join(f"{b}: N={c.budget} tau={c.tau:.3g} D={c.max_depth}"
                                                      for b, c in policy.items())
-        scheduler = Scheduler(target, d, method, config, max_queue=256, metrics=Metrics(), max_batch=B,
+        scheduler = Scheduler(target, d, method, config, max_queue=256, metrics=Samples(), max_batch=B,
                               policy=policy, compile=served[name].compile)
         scheduler.warm_up()     # untimed, as graft-serve compiles before it opens its port
         return scheduler, source
@@ -191,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 results = load(urls, texts, B, per_client, args.max_tokens)
             for method, (scheduler, source), r in zip(group, servers, results):
                 r.update(batch=B, method=method, config=source, peak_batch=scheduler.peak_batch,
-                         time_split=time_split(scheduler.metrics))
+                         time_split=time_split(scheduler.metrics), **latencies(scheduler.metrics))
                 rows.append(r)
                 report(r)
     # every answer against the first method's answer to the same prompt (at any B)
@@ -215,14 +248,16 @@ def main(argv: list[str] | None = None) -> int:
                                                     max_new_tokens=args.max_tokens, compile=s.compile).tokens)
                 seconds[name] += time.perf_counter() - t
         single = {m: tokens[m] / seconds[m] for m in methods}
-    lines = ["| B | method | requests/s | output tok/s | vs ar | p50 latency s | p95 latency s | peak batch "
-             "| same tokens |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| B | method | requests/s | output tok/s | vs ar | p50 latency s | p95 latency s | first token p50 / "
+             "p99 s | per-token p50 / p99 ms | peak batch | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["batch"], methods.index(r["method"]))):
         ar = next(x for x in rows if x["batch"] == r["batch"] and x["method"] == methods[0])
         lines.append(f"| {r['batch']} | {r['method']} | {r['requests_per_s']:.3f} | {r['output_tokens_per_s']:.2f} | "
                      f"{r['output_tokens_per_s'] / ar['output_tokens_per_s']:.2f}x | {r['latency_p50_s']:.1f} | "
-                     f"{r['latency_p95_s']:.1f} | {r['peak_batch']} | {'yes' if r['same_as_reference'] else 'NO'} |")
+                     f"{r['latency_p95_s']:.1f} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | "
+                     f"{r['token_p50_ms']:.0f} / {r['token_p99_ms']:.0f} | {r['peak_batch']} | "
+                     f"{'yes' if r['same_as_reference'] else 'NO'} |")
     if single:
         lines.append("")
         lines.append("single-request decode (graft_tk.decode), same prompts: " + ", ".join(
