@@ -178,8 +178,6 @@ def _converted(source: Callable[[], Path], dir_names: list[str], source_key: str
                quant: str = "none") -> Path:
     """The first of ``dir_names`` already converted from ``source_key``, else the first converted
     now from the GGUF file ``source()`` (fetched only then)."""
-    from .gguf import convert_gguf  # imports the gguf package only when a conversion is needed
-
     for dir_name in dir_names:
         out = registry.converted_dir(dir_name)
         if registry.stamp_ok(out, source_key) and quant_of(out) == quant:
@@ -189,6 +187,8 @@ def _converted(source: Callable[[], Path], dir_names: list[str], source_key: str
     with exclusive(graft_home() / "locks" / f"{dir_name}.lock"):   # two processes loading it first: one converts
         if registry.stamp_ok(out, source_key) and quant_of(out) == quant:
             return out
+        from .gguf import convert_gguf  # imports the gguf package only when a conversion is needed
+
         gguf_path = source()
         if out.exists():
             log.warning("%s is incomplete or stale; converting %s again", out, gguf_path)
