@@ -8,8 +8,6 @@ import http.client
 import json
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,6 +17,7 @@ import pytest
 
 import graft_tk
 from graft_tk.config import GraftConfig
+from graft_tk.bench.hostile_load import start_server
 from graft_tk.server.app import MAX_BODY_BYTES, serving_in_thread
 from graft_tk.server.metrics import Metrics
 from graft_tk.server.protocol import APIError, Request, parse_request
@@ -436,17 +435,8 @@ def test_parse_request_reads_what_openai_clients_send():
 
 
 def test_sigterm_lets_the_request_in_flight_finish_and_exits(smollm2):
-    proc = subprocess.Popen([sys.executable, "-m", "graft_tk.cli.serve", "--model", NAME, "--drafter", "self:10",
-                             "--dtype", "fp32", "--port", "0", "--grace", "60"],
-                            stderr=subprocess.PIPE, text=True)
+    proc, url, _, _ = start_server(["--model", NAME, "--drafter", "self:10", "--dtype", "fp32", "--grace", "60"])
     try:
-        port = None
-        for line in proc.stderr:
-            if m := re.search(r"at http://127\.0\.0\.1:(\d+)/v1", line):
-                port = int(m.group(1))
-                break
-        assert port, "graft-serve did not say where it listens"
-        url = f"http://127.0.0.1:{port}"
         body = {"model": NAME, "prompt": "Count to twenty:", "max_tokens": 24, "temperature": 0, "stream": True}
         lines = []
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
@@ -466,20 +456,13 @@ def test_sigterm_lets_the_request_in_flight_finish_and_exits(smollm2):
 def test_sigterm_past_the_grace_ends_a_stream_with_an_error_event_and_no_traceback(smollm2):
     """Issue 54: a streamed request still decoding when --grace runs out is cancelled; its client's
     last event is a JSON error saying so, the log holds no traceback, the server exits 0."""
-    proc = subprocess.Popen([sys.executable, "-m", "graft_tk.cli.serve", "--model", NAME, "--dtype", "fp32",
-                             "--method", "ar", "--port", "0", "--grace", "1", "--max-model-len", "2048"],
-                            stderr=subprocess.PIPE, text=True)
+    proc, url, lines, reader = start_server(["--model", NAME, "--dtype", "fp32", "--method", "ar", "--grace", "1",
+                                             "--max-model-len", "2048"])
     try:
-        port = None
-        for line in proc.stderr:
-            if m := re.search(r"at http://127\.0\.0\.1:(\d+)/v1", line):
-                port = int(m.group(1))
-                break
-        assert port, "graft-serve did not say where it listens"
         body = {"model": NAME, "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 1500,
                 "temperature": 1.0, "seed": 7, "stream": True}
         events, t0 = [], None
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {") and t0 is None:
                     proc.send_signal(signal.SIGTERM)          # mid-request; 1 s later it is cancelled
@@ -491,7 +474,8 @@ def test_sigterm_past_the_grace_ends_a_stream_with_an_error_event_and_no_traceba
         assert last["error"]["code"] == "server_shutdown" and "shut down" in last["error"]["message"], last
         assert len(events) > 3                            # text streamed before the error
         assert proc.wait(timeout=60) == 0
-        log = proc.stderr.read()
+        reader.join(timeout=10)
+        log = "".join(lines)
         assert "finish=cancelled" in log and "Traceback" not in log and "ERROR" not in log, log
     finally:
         if proc.poll() is None:
