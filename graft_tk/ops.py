@@ -5,7 +5,6 @@ Every op has the same signature on both backends (see ``graft_tk.kernels`` and
 """
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -13,6 +12,7 @@ from typing import Callable
 import torch
 
 from .backend import resolve_backend
+from .kernels import implementation
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +37,11 @@ def ops_for(backend: str, device: torch.device | str, selfcheck: bool | None = N
     checked against their references on the device first (``selfcheck``; default: on a GPU),
     and an op whose kernel fails runs its reference (``graft_tk.kernels.selfcheck``)."""
     backend = resolve_backend(backend, device)
-    ops = {op: getattr(importlib.import_module(f"graft_tk.reference.{op}"), op) for op in OPS}
-    if backend == "triton":
+    failed = {}
+    if backend == "triton" and (torch.device(device).type == "cuda" if selfcheck is None else selfcheck):
         from .kernels import selfcheck as check
-        checking = torch.device(device).type == "cuda" if selfcheck is None else selfcheck
-        failed = check.failed_ops(device) if checking else {}
-        ops |= {op: getattr(importlib.import_module(f"graft_tk.kernels.{op}"), op) for op in OPS if op not in failed}
+        failed = check.failed_ops(device)
+    paths = {op: "torch" if backend == "torch" or op in failed else "triton" for op in OPS}
     log.info("ops on %s: %s", device, ", ".join(
-        f"{op} {'Triton kernel' if fn.__module__.startswith('graft_tk.kernels') else 'torch reference'}"
-        for op, fn in ops.items()))
-    return Ops(backend=backend, **ops)
+        f"{op} {'Triton kernel' if path == 'triton' else 'torch reference'}" for op, path in paths.items()))
+    return Ops(backend=backend, **{op: implementation(op, path) for op, path in paths.items()})

@@ -6,6 +6,7 @@ Without CUDA the kernels run in Triton's interpreter. ``TRITON_INTERPRET`` must 
 ``import graft_tk`` sets it first thing; importing Triton (e.g. through transformers) before
 graft_tk on a machine without CUDA leaves the Triton backend unusable, and this warns about it.
 """
+import importlib
 import os
 import sys
 import warnings
@@ -18,3 +19,9 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
                       "cannot be switched on: backend='triton' will fail here (backend='torch' and 'auto' work). "
                       "Import graft_tk first or set TRITON_INTERPRET=1", RuntimeWarning, stacklevel=2)
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+def implementation(op: str, backend: str):
+    """Op ``op``'s function: its Triton kernel (``backend`` "triton") or its torch reference ("torch")."""
+    package = "graft_tk.kernels" if backend == "triton" else "graft_tk.reference"
+    return getattr(importlib.import_module(f"{package}.{op}"), op)

@@ -25,7 +25,7 @@ import torch
 
 from ..autotune import cache
 from ..autotune.tuner import source_hash
-from . import probes
+from . import implementation, probes
 
 KERNEL = "selfcheck"
 # op -> its arguments at a small shape (a few ms per kernel once compiled)
@@ -45,12 +45,6 @@ _warned: set[tuple[str, str]] = set()      # (device, op) warned about in this p
 
 class KernelCheckWarning(UserWarning):
     """A Triton kernel failed its check on this device; its torch reference runs instead."""
-
-
-def _implementations(op: str):
-    kernel = getattr(importlib.import_module(f"graft_tk.kernels.{op}"), op)
-    reference = getattr(importlib.import_module(f"graft_tk.reference.{op}"), op)
-    return kernel, reference
 
 
 def _source(op: str) -> str:
@@ -83,7 +77,7 @@ def _differs(a, b, where: str = "output") -> str | None:
 def check(op: str, device: torch.device) -> str | None:
     """Run ``op``'s kernel and reference on the same fresh inputs on ``device``: None when they
     agree, else what went wrong (an exception from compiling or running the kernel included)."""
-    kernel, reference = _implementations(op)
+    kernel, reference = implementation(op, "triton"), implementation(op, "torch")
     build = PROBES[op]
     want_args, got_args = build(device), build(device)
     want = reference(*want_args)
