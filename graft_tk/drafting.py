@@ -232,7 +232,9 @@ class ModelDrafter(CachedDrafter):
     its cache holds the sink, the window and everything committed after the prompt, at
     consecutive positions (what lies between is skipped, as StreamingLLM keeps an attention sink
     and a recent window). A long prompt is the target's to read; the drafter's proposals are
-    verified, so what it does not read costs acceptance, never output."""
+    verified, so what it does not read costs acceptance, never output. A row whose drafter fell
+    more than a window behind (steps that did not draft: a long copy) reads its sink and its last
+    window again rather than every token it missed."""
     target_layers = None
 
     def __init__(self, model: Model, compile: bool = False, window: int | None = None, sink: int = 4):
@@ -271,6 +273,15 @@ class ModelDrafter(CachedDrafter):
                 self.kv_len[b] = end - 1
         return time.perf_counter() - t0
 
+    def _rewindow(self, request: DraftRequest) -> None:
+        """Each drafting row more than a window behind starts again (its next read: the sink and
+        the window before its root), as a new prompt does."""
+        if self.window is None:
+            return
+        for b, (active, n) in enumerate(zip(request.active, request.length)):
+            if active and self.kv_len[b] and n - self.skipped[b] - self.kv_len[b] > self.window:
+                self.skipped[b], self.kv_len[b] = max(n - 1 - self.sink - self.window, 0), 0
+
     def _context_index(self, slots: Tensor, skipped: Tensor | int) -> Tensor:
         """Where in the committed context the token of each cache slot is: a slot past the sink
         holds the token ``skipped`` places further (the prompt tokens between sink and window)."""
@@ -278,6 +289,7 @@ class ModelDrafter(CachedDrafter):
 
     def draft(self, request: DraftRequest, ops: Ops) -> DraftPool:
         B, device, context = len(request.length), request.context.device, request.context
+        self._rewindow(request)
         ends = [n - s for n, s in zip(request.length, self.skipped)]     # each row's root slot + 1
         reading = self._read_prompts(request, ends, ops)
         # catch-up: the committed tokens each drafting row's cache has not seen, the root last

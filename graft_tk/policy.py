@@ -68,6 +68,7 @@ from .methods import Method
 RATE_DECAY = 0.95
 PRIOR_STEPS = 4.0   # plain decoding's rate, and one accepted drafted node per step, weigh this many steps at first
 EXPLORE_EVERY = 8   # draft at least once in this many steps
+EXPLORE_MAX = 64    # the draft gate's longest wait between tries of the arm it does not take
 
 
 @dataclass(frozen=True)
@@ -252,7 +253,10 @@ class DraftGate(StepController):
     steps that drafted and of those that did not (decayed; times measured online: they change
     the speed, never the output) and takes the faster, what usually wins there (``FIRST``:
     drafting, except in a copy) until both are measured; the other is tried every
-    ``EXPLORE_EVERY``-th step of that situation (a copy of a few steps never runs the drafter).
+    ``EXPLORE_EVERY``-th step of that situation (a copy of a few steps never runs the drafter),
+    and each try that confirms the choice doubles that wait, up to ``EXPLORE_MAX`` steps (a
+    skipped drafter's try also reads every token it missed: on a 2k-token code edit a try every
+    8 copied steps cost a fifth of the decode); a try that changes the choice resets it.
     A drafted node that prompt lookup proposed too counts as the drafter's, so the drafter's own
     acceptance overstates what it adds; the rates measure what a step gains from it."""
 
@@ -265,7 +269,9 @@ class DraftGate(StepController):
         self.tokens = [[0.0, 0.0] for _ in range(k)]
         self.seconds = [[0.0, 0.0] for _ in range(k)]
         self.since = [0] * k         # steps of each situation since the arm not taken was tried
+        self.every = [EXPLORE_EVERY] * k     # each situation's wait between such tries
         self._last = 0
+        self._tried: bool | None = None      # the last step tried the arm not taken, which was this
         self._asked = False          # this step's plan asked the gate
 
     # ---------------------------------------------------------------- as a step controller
@@ -282,17 +288,29 @@ class DraftGate(StepController):
 
     def drafts(self, free: float) -> bool:
         k = self._last = sum(free >= level for level in self.LEVELS)
-        if self.seconds[k][0] and self.seconds[k][1]:
-            best = self.tokens[k][1] / self.seconds[k][1] >= self.tokens[k][0] / self.seconds[k][0]
-        else:
-            best = self.FIRST[k]       # until both arms are measured: what usually wins here
+        best = self.best(k)
+        if best is None:
+            best = self.FIRST[k]       # until both arms are measured: what usually wins there
         self.since[k] += 1
-        if self.since[k] >= EXPLORE_EVERY:
-            self.since[k] = 0
+        self._tried = None
+        if self.since[k] >= self.every[k]:
+            self.since[k], self._tried = 0, best
             return not best
         return best
 
+    def best(self, k: int) -> bool | None:
+        """Situation ``k``'s faster arm (drafts?), None until both are measured."""
+        if not (self.seconds[k][0] and self.seconds[k][1]):
+            return None
+        return self.tokens[k][1] / self.seconds[k][1] >= self.tokens[k][0] / self.seconds[k][0]
+
     def count(self, committed: int, seconds: float, drafted: bool) -> None:
         k, d = self._last, int(drafted)       # the situation of the last ``drafts`` call
-        self.tokens[k][d] = RATE_DECAY * self.tokens[k][d] + committed
-        self.seconds[k][d] = RATE_DECAY * self.seconds[k][d] + seconds
+        for arm in (0, 1):     # both arms age per step: a fresh try outweighs what was seen long ago
+            self.tokens[k][arm] *= RATE_DECAY
+            self.seconds[k][arm] *= RATE_DECAY
+        self.tokens[k][d] += committed
+        self.seconds[k][d] += seconds
+        if self._tried is not None:           # a try of the arm not taken: confirmed, wait longer
+            confirmed = self.best(k) == self._tried
+            self.every[k] = min(2 * self.every[k], EXPLORE_MAX) if confirmed else EXPLORE_EVERY

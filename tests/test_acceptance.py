@@ -58,7 +58,7 @@ def test_priors():
     # retrieval, given the parent accepted: by rank (template: [r0, r1], then r0 and r1 under r0)
     assert torch.allclose(adjacency().rates.rate(), torch.tensor([0.4, 0.24, 0.4, 0.24]))
     # prompt lookup, given the previous position accepted: a longer match is likelier
-    assert torch.allclose(lookup().rates.rate(), torch.tensor([[0.3] * 3, [0.5] * 3]))
+    assert torch.allclose(lookup().rates.rate(), torch.tensor([0.3, 0.5]))
 
 
 def _step(source, retrieved, accepted_depth):
@@ -130,10 +130,10 @@ def test_drafted_and_prompt_lookup_counts():
     pld.observe(built, on_path, built.cand_node, torch.tensor([2]))
     hi, lo = (int(torch.bucketize(torch.tensor(s), torch.tensor(SCORE_EDGES))) for s in (-0.1, -3.5))
     assert draft.n[hi] == 1 and draft.n[lo] == 1 and draft.acc.sum() == 0
-    assert pld.rates.n[1].tolist() == [1, 1, 0] and pld.rates.acc[1].tolist() == [1, 1, 0]
-    assert pld.rates.n[0].sum() == 0
-    # the estimate moved towards the observation by 1 / (1 + PRIOR_WEIGHT)
-    assert pld.rates.rate()[1, 0] == (1 + PRIOR_WEIGHT * 0.5) / (1 + PRIOR_WEIGHT)
+    # a 2-token match (the longest looked up here): both tried positions stand on the 2-gram class
+    assert pld.rates.n.tolist() == [0, 2] and pld.rates.acc.tolist() == [0, 2]
+    # the estimate moved towards the observations by 2 / (2 + PRIOR_WEIGHT)
+    assert pld.rates.rate()[1] == pytest.approx((2 + PRIOR_WEIGHT * 0.5) / (2 + PRIOR_WEIGHT))
 
 
 def test_prompt_lookup_values_follow_the_matched_ngram():
@@ -145,24 +145,28 @@ def test_prompt_lookup_values_follow_the_matched_ngram():
     assert torch.allclose(cand.values.exp(), torch.tensor([[0.5, 0.5], [0.3, 0.3]]))
 
 
-def test_a_long_match_is_a_copy_and_deep_positions_share_a_rate():
+def test_a_chain_position_is_valued_by_the_match_it_extends():
     """Matched lengths share a rate by class (1, 2, 3, 4-7, 8-15, 16+): a 16-token match starts
-    near-sure, a 1-token one doubtful. Chain positions from the fourth on share one rate, so what
-    the fourth position shows values the twelfth at once."""
+    near-sure, a 1-token one doubtful. Position d of a chain found by a g-token match stands on an
+    effective match of g + d (its d predecessors accepted), so a chain from a 1-token match is
+    doubtful at first and a copy deeper down, and what it shows there values every chain."""
     pld = lookup(pld_tokens=12, pld_max_ngram=16)
-    assert pld.rates.rate().shape == (6, 4)
-    assert pld._row(torch.tensor([0, 1, 3, 4, 7, 8, 15, 16])).tolist() == [0, 0, 2, 3, 3, 4, 4, 5]
+    assert pld.rates.rate().shape == (6,)
+    assert pld._cells(torch.tensor([1]))[0].tolist() == [0, 1, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4]
+    assert pld._cells(torch.tensor([0, 16])).tolist() == [[0, 0, 1, 2, 3, 3, 3, 3, 4, 4, 4, 4], [5] * 12]
     rate = pld.rates.rate()
-    assert rate[5, 0] > 0.9 and rate[0, 0] < 0.5
-    # one step after a 16-token match: positions 1-4 accepted, the fifth rejected
+    assert rate[5] > 0.9 and rate[0] < 0.5
+    # one step after a 1-token match: positions 0-4 accepted, the sixth rejected
     chain = list(range(20, 32))
     built = tree(cand=chain, cand_parents=pld.parents.tolist(), cand_source=[PROMPT_LOOKUP] * 12, budget=13,
-                 cand_values=pld.rates.rate()[5][pld.position].log())
+                 cand_values=pld.rates.rate().log()[pld._cells(torch.tensor([1]))[0]])
     path = torch.full((1, 13), -1, dtype=torch.long)
-    path[0, :5] = torch.tensor([0] + [int(built.cand_node[0, i]) for i in range(4)])
-    pld.observe(built, on_path_mask(path), built.cand_node, torch.tensor([16]))
-    n = pld.rates.n[5].tolist()
-    assert n == [1, 1, 1, 2]                 # positions 4 and 5 both counted in the shared column
-    assert pld.rates.acc[5].tolist() == [1, 1, 1, 1]
-    values = pld.propose(StepView(torch.tensor([9]), torch.tensor([[1, 2, 3, 1, 2, 3]]), torch.tensor([6]))).values
-    assert values.shape == (1, 12) and torch.equal(values[0, 3:], values[0, 3].expand(9))
+    path[0, :6] = torch.tensor([0] + [int(built.cand_node[0, i]) for i in range(5)])
+    before = pld.rates.rate()
+    pld.observe(built, on_path_mask(path), built.cand_node, torch.tensor([1]))
+    assert pld.rates.n.tolist()[:5] == [1, 1, 1, 3, 0]      # effective lengths 1, 2, 3, 4-7 (3 tried)
+    assert pld.rates.acc.tolist()[:5] == [1, 1, 1, 2, 0]
+    # the 4-7 class learnt from this chain values the fourth position of every chain at once
+    after = pld.propose(StepView(torch.tensor([9]), torch.tensor([[1, 2, 3, 9, 4, 5, 6, 9]]), torch.tensor([8])))
+    assert after.note.tolist() == [1] and after.values[0, 3].exp() == pytest.approx(float(pld.rates.rate()[3]))
+    assert pld.rates.rate()[3] != before[3]

@@ -203,6 +203,37 @@ def test_a_windowed_drafter_reads_only_the_sink_and_the_window_of_a_prompt(smoll
     assert [tokens for tokens, _ in got] == want
 
 
+def test_a_drafter_more_than_a_window_behind_reads_its_window_again(smollm2, self_drafter, monkeypatch):
+    """Steps that do not draft leave the drafter behind; once it is more than a window behind,
+    its next drafting step reads the sink and the window before the root again (as a new prompt
+    does) instead of every token it missed. The output does not change."""
+    from graft_tk.policy import StepController
+    ids = encode_prompt(smollm2, LONG, chat=True)
+    ref = graft_tk.decode(smollm2, ids, max_new_tokens=30).tokens
+    engine = Engine(smollm2, self_drafter, GraftConfig(drafter_window=8, drafter_sink=2))
+    drafter, batch = engine.runtime.drafter, engine.batch(1)
+    request = batch.add(ids, "tree", 30)
+    batch.step()
+    read = drafter.kv_len[0]
+    assert read >= 10 and drafter.skipped[0] == len(ids) - 10
+
+    class NoDrafting(StepController):
+        def plan(self, plan, free):
+            return dataclasses.replace(plan, drafts=(False,) * len(plan.drafts))
+    with monkeypatch.context() as m:
+        m.setattr(engine.state, "controller", lambda methods: NoDrafting())
+        while request.length - drafter.skipped[0] - drafter.kv_len[0] <= 8:    # one token a step
+            batch.step()
+    assert drafter.kv_len[0] == read
+    n = request.length
+    batch.step()                      # drafts: reads the sink and the 8 tokens before its root
+    assert drafter.skipped[0] == n - 1 - 10
+    assert 11 <= drafter.kv_len[0] <= 11 + request.length - n
+    while not request.done:
+        batch.step()
+    assert request.out == ref
+
+
 def test_max_new_tokens_truncates_mid_path(smollm2, self_drafter):
     ref = graft_tk.decode(smollm2, "Count from 1 to 20.", max_new_tokens=30)
     for n in (1, 2, 5, 9):

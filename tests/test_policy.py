@@ -18,7 +18,7 @@ from graft_tk.errors import CorruptFileError, InputError
 from graft_tk.methods import METHODS
 from graft_tk.ops import ops_for
 from graft_tk.sources.prompt_lookup import NGRAM_CLASSES
-from graft_tk.policy import EXPLORE_EVERY, DraftGate, Observation, StepPlan, StepPolicy
+from graft_tk.policy import EXPLORE_EVERY, EXPLORE_MAX, DraftGate, Observation, StepPlan, StepPolicy
 from graft_tk.state import FIXED, SpecState
 from graft_tk.profiles import profile_key, read_profile, write_profile
 
@@ -140,7 +140,7 @@ def test_drafting_is_skipped_while_it_does_not_pay_and_retried_every_few_steps()
 def test_the_gate_takes_the_faster_of_drafting_or_not_in_each_situation():
     """Situations by prompt lookup's expected tokens: none (< 1), a match (1-4), a copy (>= 4). In
     each the gate takes what usually wins there until both arms are measured (drafting; not in a
-    copy), then the faster; the other arm every EXPLORE_EVERY-th step of that situation."""
+    copy), then the faster; the other arm every EXPLORE_EVERY-th step of that situation at first."""
     def run(gate, free, steps, rate):      # rate[drafted]: (committed, seconds) of such a step
         picks = []
         for _ in range(steps):
@@ -153,12 +153,32 @@ def test_the_gate_takes_the_faster_of_drafting_or_not_in_each_situation():
     assert run(gate, 3.0, EXPLORE_EVERY, faster_without) == [not x for x in explored]   # a match: drafting first
     assert run(gate, 3.0, EXPLORE_EVERY, faster_without) == explored                    # measured: without
     faster_drafting = {True: (6, 0.6), False: (1, 0.2)}    # 10 vs 5 tokens/s
-    assert run(gate, 0.0, 2 * EXPLORE_EVERY, faster_drafting) == [not x for x in explored] * 2   # none: drafting
+    assert run(gate, 0.0, EXPLORE_EVERY, faster_drafting) == [not x for x in explored]   # none: drafting
     copy = run(gate, 6.0, EXPLORE_EVERY - 1, faster_drafting)
     assert copy == [False] * (EXPLORE_EVERY - 1)           # a copy of a few steps never drafts
     assert run(gate, 6.0, 1, faster_drafting) == [True]    # ... the EXPLORE_EVERY-th step tries it
     assert run(gate, 6.0, 1, faster_drafting) == [True]    # measured: drafting is faster here
     assert run(gate, 3.0, 1, faster_without) == [False]    # each situation keeps its own choice
+
+
+def test_the_gate_tries_the_other_arm_less_often_while_it_keeps_losing():
+    """Each try that confirms the choice doubles the wait before the next (up to EXPLORE_MAX
+    steps); a try that finds the other arm faster switches to it and the wait starts again."""
+    gate = DraftGate()
+
+    def tries(steps, rate):       # the steps (1-based) that took the arm not taken
+        picks = []
+        for _ in range(steps):
+            picks.append(gate.drafts(free=6.0))            # a copy: not drafting first
+            gate.count(*rate[picks[-1]], drafted=picks[-1])
+        return [i + 1 for i, p in enumerate(picks) if p]
+    faster_without = {True: (6, 0.6), False: (16, 0.4)}
+    assert tries(8 + 16 + 32 + 64 + 56, faster_without) == [8, 24, 56, 120]
+    assert gate.every[2] == EXPLORE_MAX
+    faster_drafting = {True: (16, 0.2), False: (16, 0.4)}   # the workload changes: drafting pays now
+    assert tries(8, faster_drafting) == [8]             # the next try, 64 steps after the last, ...
+    assert gate.every[2] == EXPLORE_EVERY and gate.best(2)   # ... finds drafting faster: one fresh try outweighs
+    assert tries(EXPLORE_EVERY, faster_drafting) == list(range(1, EXPLORE_EVERY))   # the old; not drafting tried at 8
 
 
 def test_the_fixed_plan_follows_the_config_and_each_rows_method():
