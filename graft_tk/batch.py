@@ -15,6 +15,11 @@ tau and depth D follow the batch size (``policy``, from ``graft-calibrate --batc
 no speculation, D = 0 no drafting), held at the largest size of the last ``hold`` steps where
 requests come and go.
 
+A long prompt need not stall the requests decoding: with ``prefill_chunk`` a prompt that
+arrives while others decode is read that many tokens per step (``graft_tk.step.Prefill``), in
+the row after theirs, before each step of theirs; it joins them once read. One prompt is read at
+a time (the batch is ``full`` meanwhile). Without it (a library call) a prompt is read whole.
+
 Memory: without ``max_len`` the caches grow to the longest request so far and stay there (a
 library call, one process, one user). With ``max_len`` (graft-serve's ``--max-model-len``) they
 are one fixed pool of ``max_batch`` rows of ``max_len`` tokens, allocated when the batch is made
@@ -35,7 +40,7 @@ from .runtime import Runtime
 from .sampling import Sampling
 from .state import SpecState
 from .stats import RequestStats
-from .step import StepRecord, decode_step, prefill
+from .step import Prefill, StepRecord, decode_step
 
 CONTEXT_MULTIPLE = 512   # the context buffer grows in steps of this many tokens (it is a shape of the step)
 
@@ -45,7 +50,8 @@ class Batch:
     ``state``, at ``config`` (the step config below every size of ``policy``)."""
 
     def __init__(self, runtime: Runtime, state: SpecState, config: GraftConfig, max_batch: int = 1,
-                 policy: Mapping[int, GraftConfig] | None = None, hold: int = 0, max_len: int | None = None):
+                 policy: Mapping[int, GraftConfig] | None = None, hold: int = 0, max_len: int | None = None,
+                 prefill_chunk: int | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InputError(f"max_batch must be an int >= 1, got {max_batch!r}")
         context = runtime.target.config.max_position_embeddings
@@ -61,6 +67,11 @@ class Batch:
             raise InputError(f"policy keys must be batch sizes >= 1, got {sorted(self.policy)}")
         if isinstance(hold, bool) or not isinstance(hold, int) or hold < 0:
             raise InputError(f"hold must be an int >= 0 (steps), got {hold!r}")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise InputError(f"prefill_chunk must be None or an int >= 1 (tokens), got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
+        self.prefilling: Prefill | None = None    # the prompt being read, in row len(self.rows)
         self.runtime, self.state, self.config = runtime, state, config
         self.max_batch, self.hold = max_batch, hold
         # The size a step plans for: the most requests of the last ``hold`` steps, at least the
@@ -78,11 +89,16 @@ class Batch:
             self._reserve(max_len)      # the fixed pool
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.requests)
+
+    @property
+    def requests(self) -> list[Request]:
+        """Every request in the batch: those decoding, then the one whose prompt is being read."""
+        return self.rows + ([self.prefilling.request] if self.prefilling is not None else [])
 
     @property
     def full(self) -> bool:
-        return len(self.rows) >= self.max_batch
+        return len(self.rows) >= self.max_batch or self.prefilling is not None
 
     def add(self, ids: Sequence[int], method: str | Method, max_new_tokens: int, sampling: Sampling = Sampling(),
             on_tokens: Callable[[list[int]], bool | None] | None = None) -> Request:
@@ -111,18 +127,39 @@ class Batch:
         self.state.admit(method)
         self._reserve(spec.tokens if self.max_len is None else self.max_len)   # the pool: a no-op unless it was taken
         request = Request(spec, on_tokens, RequestStats(method.name, self.runtime.ops.backend), on_prefill=on_prefill)
-        row = len(self.rows)
-        prefill(self.runtime, self.state, row, request, self.context[row], speculates=self.max_budget > 1,
-                drafts=self.max_depth > 0)
-        if not request.done:
-            self.rows.append(request)
+        reading = Prefill(self.runtime, self.state, len(self.rows), request, speculates=self.max_budget > 1,
+                          drafts=self.max_depth > 0)
+        if self.prefill_chunk is not None and self.rows and reading.total > self.prefill_chunk:
+            reading.read(self.prefill_chunk)        # the rest before the next steps, a chunk each
+            self.prefilling = reading
+        else:
+            self._started(reading)
         return request
+
+    def _started(self, reading: Prefill) -> None:
+        """Read the rest of ``reading``'s prompt and start its request: it decodes from the next step on
+        (or is done already: its first token ended it, and it takes no row)."""
+        if not reading.read_all:
+            reading.read()
+        reading.finish(self.context[reading.row])
+        if not reading.request.done:
+            self.rows.append(reading.request)
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """One decode step for every request; returns those that finished (their rows freed)."""
+        """One decode step for every request (after the next chunk of a prompt being read); returns
+        those that finished (their rows freed)."""
+        started, self.last_step = [], None
+        if self.prefilling is not None:
+            reading = self.prefilling
+            if self.rows and reading.tokens_read + self.prefill_chunk < reading.total:
+                reading.read(self.prefill_chunk)
+            else:            # its last chunk, or nothing decodes: read the rest and start it
+                self.prefilling = None
+                self._started(reading)
+                started = [reading.request] if reading.request.done else []
         if not self.rows:
-            return []
+            return started
         size = len(self.rows)
         config = self.plan(max([size, *self._recent]) if self.hold else size)
         self._recent.append(size)
@@ -131,7 +168,7 @@ class Batch:
         finished = [r for r in self.rows if r.done]
         for r in finished:
             self._remove(r)
-        return finished
+        return started + finished
 
     def plan(self, size: int) -> GraftConfig:
         """The config whose N, tau and D a step of ``size`` requests uses, from the policy."""
@@ -143,7 +180,10 @@ class Batch:
 
     def cancel(self, request: Request) -> None:
         """Take a request out of the batch before it finishes (a client that went away)."""
-        if request in self.rows:
+        if self.prefilling is not None and request is self.prefilling.request:
+            request.done = True
+            self.prefilling = None
+        elif request in self.rows:
             request.done = True
             self._remove(request)
 
@@ -159,13 +199,17 @@ class Batch:
             self.context = grown
 
     def _remove(self, request: Request) -> None:
-        """Free ``request``'s row: the last row's request moves into it (its KV and context with it)."""
+        """Free ``request``'s row: the last row's request moves into it (its KV and context with it),
+        and a prompt being read into the row after the last into the last."""
         row, last = self.rows.index(request), len(self.rows) - 1
         if row != last:
             self.runtime.kv.move(last, row)
             self.context[row] = self.context[last]
             self.rows[row] = self.rows[last]
         self.rows.pop()
+        if self.prefilling is not None:
+            self.runtime.kv.move(last + 1, last)
+            self.prefilling.row = last
 
 
 def decode_batch(batch: Batch, prompts: Sequence[Sequence[int]], method: str | Method, max_new_tokens: int,

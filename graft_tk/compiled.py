@@ -133,18 +133,20 @@ class StepForward:
         self.chunked_prefill = compile and not self._cuda_graphs and quantized(net) and amx_cpu()
 
     def prefill(self, tokens: Tensor, hidden_layers: tuple[int, ...] | None = None, attention=None,
-                progress: Callable[[int, int], None] | None = None):
+                progress: Callable[[int, int], None] | None = None, start: int = 0, stop: int | None = None):
         """A prompt ``tokens`` [B, n] into cache slots 0 .. n - 1: its last position's logits
         [B, 1, V] (and with ``hidden_layers``, every position's, as ``Transformer.forward``).
         Read EAGER_PREFILL_CHUNK tokens a forward (PREFILL_CHUNK, padded, where the compiled
         chunks run): a long prompt's activations stay small and ``progress(done, n)`` is called
-        after each chunk."""
+        after each chunk. ``start`` / ``stop``: only positions start .. stop - 1, slots before
+        ``start`` already read (a prompt read over several calls; the logits are of stop - 1)."""
         B, n = tokens.shape
         device = tokens.device
         C = PREFILL_CHUNK if self.chunked_prefill else EAGER_PREFILL_CHUNK
         logits, hidden = None, []
-        for s in range(0, n, C):
-            t = min(C, n - s)
+        end = n if stop is None else stop
+        for s in range(start, end, C):
+            t = min(C, end - s)
             if self.chunked_prefill and s + C <= self.net.cache_len:
                 chunk = tokens.new_zeros(B, C)      # a fresh [B, C]: a slice's strides would recompile
                 chunk[:, :t] = tokens[:, s:s + t]

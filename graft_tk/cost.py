@@ -64,6 +64,19 @@ class StepCost:
                                                                                      self.verify_ms_per_1k)),
                                    context=context)
 
+    def batch(self, rows: int) -> "StepCost":
+        """This cost model for a step of ``rows`` requests: a verify of n tokens per row costs a
+        forward of rows x n tokens, a drafter forward of w tokens per row one of rows x w (their
+        attention reads each row's own context: as many queries as the one wide forward). Past
+        the measured curve a forward grows by the curve's mean slope over its upper half."""
+        if rows == 1:
+            return self
+        return dataclasses.replace(
+            self, verify_ms=tuple(_extended(self.verify_ms, rows * n) for n in range(1, len(self.verify_ms) + 1)),
+            draft_ms=tuple(self.draft(rows * w) for w in range(1, len(self.draft_ms) + 1)),
+            verify_ms_per_1k=tuple(_extended(self.verify_ms_per_1k, rows * n)
+                                   for n in range(1, len(self.verify_ms_per_1k) + 1)))
+
     def knee(self, ratio: float = KNEE_RATIO) -> int:
         """The widest verify costing at most ``ratio`` times a one-token forward: where a tree's
         nodes stop being nearly free (the budget N ``graft-calibrate --cost-only`` starts from)."""
@@ -74,6 +87,15 @@ class StepCost:
         if width <= len(self.draft_ms):
             return self.draft_ms[width - 1]
         return self.draft_ms[-1] * width / len(self.draft_ms)
+
+
+def _extended(curve: tuple[float, ...], n: int) -> float:
+    """curve[n - 1], or past its end its last point plus the mean slope of its upper half per token."""
+    if n <= len(curve):
+        return curve[n - 1]
+    half = len(curve) // 2
+    slope = (curve[-1] - curve[half - 1]) / (len(curve) - half) if half else curve[-1]
+    return curve[-1] + (n - len(curve)) * max(slope, 0.0)
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:

@@ -12,8 +12,9 @@ fixed plan (the config as it is: no host read, no learning); ``Controllers`` cha
 * the batch-size policy, N, tau and D by the number of requests in flight, is a choice of config
   (``graft_tk.batch.Batch.plan``), planned by these like any other.
 
-Both learning controllers steer a request decoding alone: their rates are the request's, and at
-several requests a step's gain and cost are the batch's (serving chooses by batch size instead).
+The draft gate steers a request decoding alone (its situations are that request's). The cost
+policy steers batches too, one ``StepPolicy`` per batch size: the same rule with the batch's
+costs and rate, so at any size plain decoding is one of its choices (``SpecState.controller``).
 
 ``StepPolicy``: drafting depth and verify width chosen per step by expected gain (with a cost model).
 
@@ -151,17 +152,25 @@ class StepPolicy(StepController):
     lives as long as its state. ``draft_rates``: the drafter's rates by score bucket (host floats,
     read back by every step it steers; None before the first: the configured tau is the
     threshold); ``fixed_width``: the verify keeps N (a compiled target: every new width would
-    compile a graph)."""
+    compile a graph).
+
+    ``rows``: the steps it steers hold this many requests. Their costs are the batch's
+    (``StepCost.batch``: a verify of n nodes per row is one forward of rows x n tokens), R is
+    the batch's tokens per ms, the verify takes the width whose nodes, summed over the rows, pay
+    for it, and every row drafts or none does. Plain decoding (width 1, no drafting) is always
+    one of the choices, so a batch speculates only as far as its measured costs say it pays."""
     wants_draft_rates = True
 
     def __init__(self, cost: StepCost, top_k: int, budget: int = 16, draft_rates: list[float] | None = None,
-                 fixed_width: bool = False):
-        self.measured, self.budget, self.draft_rates, self.fixed_width = cost, budget, draft_rates, fixed_width
+                 fixed_width: bool = False, rows: int = 1):
+        self.budget, self.draft_rates, self.fixed_width, self.rows = budget, draft_rates, fixed_width, rows
+        self.measured = cost = cost.batch(rows)
         self.top_k = max(verifiable(top_k, budget), 1)     # as wide as the step drafts
         self.at_context(cost.context)
-        self.tokens, self.ms = PRIOR_STEPS, PRIOR_STEPS * (cost.verify_ms[0] + cost.step_ms)
+        # plain decoding's rate: a token per row for a one-token verify and a step
+        self.tokens, self.ms = PRIOR_STEPS * rows, PRIOR_STEPS * (cost.verify_ms[0] + cost.step_ms)
         # drafting steps: drafted nodes accepted, and ms spent (forwards + the drafted nodes' verify rows)
-        self.drafted_accepted, self.drafting_steps = PRIOR_STEPS, PRIOR_STEPS
+        self.drafted_accepted, self.drafting_steps = PRIOR_STEPS * rows, PRIOR_STEPS
         self.drafting_ms = PRIOR_STEPS * (cost.draft(1) + self.row_ms) if cost.draft_ms else 0.0
         self.steps_without_drafting = 0
 
@@ -190,15 +199,16 @@ class StepPolicy(StepController):
         bucket of ``edges``; bucket b holds scores in (edges[b - 1], edges[b]]); +inf when no score does."""
         if not self.cost.draft_ms or draft_rates is None:
             return log_tau_bound
-        p_min = self.rate * (self.cost.draft(self.top_k) + self.row_ms)
+        p_min = self.rate * (self.cost.draft(self.top_k) + self.row_ms) / self.rows   # a row's share
         for b, r in enumerate(draft_rates):
             if r >= p_min:
                 return max(log_tau_bound, edges[b - 1] if b else -math.inf)
         return math.inf
 
     def verify_width(self, values: list[float]) -> int:
-        """How many nodes to verify, root included: ``values`` are the other nodes' estimated log
-        P(on the accepted path), best first (-inf: padding); the n maximising
+        """How many nodes to verify per row, root included: ``values`` are the other nodes' estimated
+        log P(on the accepted path), best first (-inf: padding; several rows: per rank, the log of
+        the rows' nodes of that rank summed); the n maximising
         sum(P of the best n - 1) - R * verify_ms[n - 1] (n at most the curve's length)."""
         verify, rate = self.cost.verify_ms, self.rate
         best_n, best, gain = 1, -rate * verify[0], 0.0
@@ -220,7 +230,9 @@ class StepPolicy(StepController):
     def width(self, plan: StepPlan, values: Tensor) -> int:
         if self.fixed_width:
             return plan.budget
-        return self.verify_width(host_read(values[0, 1:].sort(descending=True).values))   # one host read
+        # per rank, the rows' nodes of that rank summed: what verifying one more node per row adds
+        ranked = values[:, 1:].sort(1, descending=True).values.exp().sum(0).log()
+        return self.verify_width(host_read(ranked))   # one host read
 
     def observe(self, plan: StepPlan, seen: Observation) -> None:
         if seen.draft_rates is not None:
@@ -241,7 +253,7 @@ class StepPolicy(StepController):
         if drafted:
             self.drafted_accepted = RATE_DECAY * self.drafted_accepted + drafted_accepted
             self.drafting_steps = RATE_DECAY * self.drafting_steps + 1
-            self.drafting_ms = RATE_DECAY * self.drafting_ms + drafting_ms + self.row_ms * drafted_verified
+            self.drafting_ms = RATE_DECAY * self.drafting_ms + drafting_ms + self.row_ms * drafted_verified / self.rows
 
 
 class DraftGate(StepController):

@@ -21,7 +21,7 @@ from .policy import Controllers, DraftGate, StepController, StepPolicy
 from .sources import CandidateSource, registered
 from .tree import BuiltTree
 
-FIXED = StepController()   # the config as it is: a batch of several requests, or no cost model
+FIXED = StepController()   # the config as it is: no method that prunes, or a batch without a cost model
 
 
 class SpecState:
@@ -37,6 +37,8 @@ class SpecState:
         # With the device's cost model: drafting and the verify's width by expected gain per ms.
         self.policy = (StepPolicy(config.cost, config.top_k, config.budget, fixed_width=fixed_width)
                        if config.cost is not None else None)
+        self.fixed_width = fixed_width
+        self.batch_policies: dict[int, StepPolicy] = {}     # batch size -> its cost policy
         self.gate = DraftGate()   # no drafting where the free sources already propose
         self.draft_rates = DraftRates(priors.draft if priors else None, device)   # P(accepted | drafter score)
         # Set to a list to record, per verified node, (source code, depth, drafter score, accepted?):
@@ -82,9 +84,18 @@ class SpecState:
     def controller(self, methods: list[Method]) -> StepController:
         """The controllers of a batch of requests of ``methods``: a request decoding alone whose
         method prunes is steered by the cost policy (with a cost model) and the draft gate (when
-        one of its sources signals it); anything else runs its config as it is."""
-        if len(methods) != 1 or not methods[0].prune:
+        one of its sources signals it); several requests of which one prunes, by the cost policy
+        of that batch size; anything else runs its config as it is."""
+        if not any(m.prune for m in methods):
             return FIXED
+        if len(methods) > 1:
+            if self.config.cost is None:
+                return FIXED
+            B = len(methods)
+            if B not in self.batch_policies:
+                c = self.config
+                self.batch_policies[B] = StepPolicy(c.cost, c.top_k, c.budget, fixed_width=self.fixed_width, rows=B)
+            return self.batch_policies[B]
         parts = [self.gate] if any(s.gates and methods[0].uses(s.name) for s in self.sources) else []
         if self.policy is not None:
             parts.append(self.policy)

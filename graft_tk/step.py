@@ -1,8 +1,9 @@
 """The decode step, batch-first: every request in flight advances by one target forward.
 
-``prefill`` starts a request in its batch row; ``decode_step`` is the one step every method and
-every batch size runs (plain decoding is the step whose trees are the root alone). It reads the
-models from a ``Runtime``, learns into a ``SpecState``, and asks a ``StepController`` what to do.
+``prefill`` starts a request in its batch row (``Prefill``: its prompt a chunk at a time);
+``decode_step`` is the one step every method and every batch size runs (plain decoding is the
+step whose trees are the root alone). It reads the models from a ``Runtime``, learns into a
+``SpecState``, and asks a ``StepController`` what to do.
 Top to bottom, for the B rows at once:
 
   0.   plan         the controller's ``StepPlan``: N, which rows draft, their thresholds, D and K
@@ -63,40 +64,76 @@ class StepRecord:
     counters: StepCounters
 
 
-def prefill(runtime: Runtime, state: SpecState, row: int, request: Request, context: Tensor,
-            speculates: bool = True, drafts: bool = True) -> None:
+class Prefill:
     """Start ``request`` in cache row ``row``: the target's prefill (its last position's logits
     give the first token; the sources that warm from the prompt read every position's states),
-    the drafter's own pass, the prompt and the first token into ``context`` [L] (its row of the
-    batch's). ``speculates`` / ``drafts`` False: no step of this batch ever will (every config's
-    N = 1 / D = 0), so the warm-ups / the drafter's pass are skipped."""
-    target, ops, method, ids = runtime.target, runtime.ops, request.method, request.spec.ids
-    tnet, device, n = target.net, target.device, len(ids)
-    drafter = runtime.drafter if method.drafts and speculates and drafts else None
-    layers = drafter.target_layers if drafter is not None else None
-    warmers = [s for s in state.sources if speculates and s.warms_from_prompt and method.uses(s.name)]
-    prompt = torch.tensor([ids], device=device)
-    # Target features for an EAGLE-3 drafter, and the last layer's states for the sources that
-    # warm from the prompt (their logits made a chunk at a time, never [n, V] at once).
-    taken = (*(layers or ()), tnet.config.n_layers - 1) if warmers else layers
-    with runtime.kv.rows(row, row + 1):
-        out = runtime.target_step.prefill(prompt, hidden_layers=taken, attention=ops.tree_attention,
-                                          progress=request.on_prefill)
-    logits, features = (out, None) if taken is None else (out[0], out[1][0])
-    if warmers:
-        dim = tnet.config.dim
-        for source in warmers:
-            source.warm(prompt[0], features[:, -dim:], tnet.logits)
-        features = features[:, :-dim] if layers is not None else None
-    if drafter is not None:
-        drafter.start(row, prompt[0], features, ops)
-    first = choose(logits, torch.tensor([[n]], device=device), [request.sampling])[0, 0]
-    context[:n], context[n] = prompt[0], first
-    request.length, request.target_len = n + 1, n
-    request.stats.prefill_seconds = time.perf_counter() - request.stats.t0
-    request.done = request.spec.max_new_tokens <= 0
-    if not request.done:
-        request.take([host_read(first)[0]], target.eos_token_ids)
+    the drafter's start, the prompt and the first token into the row's context. ``read`` reads
+    the prompt a chunk at a time (a server runs decode steps of the other rows between chunks),
+    ``finish`` starts the request once all of it is read; ``prefill`` does both at once.
+    ``speculates`` / ``drafts`` False: no step of this batch ever will (every config's N = 1 /
+    D = 0), so the warm-ups / the drafter's start are skipped. ``row`` may change between
+    chunks (the batch moves rows as requests leave)."""
+
+    def __init__(self, runtime: Runtime, state: SpecState, row: int, request: Request,
+                 speculates: bool = True, drafts: bool = True):
+        self.runtime, self.state, self.row, self.request = runtime, state, row, request
+        method, target = request.method, runtime.target
+        self.drafter = runtime.drafter if method.drafts and speculates and drafts else None
+        self.layers = self.drafter.target_layers if self.drafter is not None else None
+        self.warmers = [s for s in state.sources if speculates and s.warms_from_prompt and method.uses(s.name)]
+        self.prompt = torch.tensor([request.spec.ids], device=target.device)
+        # Target features for an EAGLE-3 drafter, and the last layer's states for the sources that
+        # warm from the prompt (their logits made a chunk at a time, never [n, V] at once).
+        self.taken = (*(self.layers or ()), target.net.config.n_layers - 1) if self.warmers else self.layers
+        self.tokens_read, self.logits, self.hidden = 0, None, []
+
+    @property
+    def total(self) -> int:
+        return self.prompt.shape[1]
+
+    @property
+    def read_all(self) -> bool:
+        return self.tokens_read >= self.total
+
+    def read(self, tokens: int | None = None) -> None:
+        """Read the next ``tokens`` of the prompt (None: the rest) into the row's cache."""
+        runtime, stop = self.runtime, self.total if tokens is None else min(self.total, self.tokens_read + tokens)
+        with runtime.kv.rows(self.row, self.row + 1):
+            out = runtime.target_step.prefill(self.prompt, hidden_layers=self.taken, attention=runtime.ops.tree_attention,
+                                              progress=self.request.on_prefill, start=self.tokens_read, stop=stop)
+        self.logits, features = (out, None) if self.taken is None else out
+        if features is not None:
+            self.hidden.append(features[0])
+        self.tokens_read = stop
+
+    def finish(self, context: Tensor) -> None:
+        """Start the request once its prompt is read: warm-ups, the drafter, the first token into
+        ``context`` [L] (its row of the batch's)."""
+        request, target, prompt, n = self.request, self.runtime.target, self.prompt, self.total
+        features = torch.cat(self.hidden) if self.hidden else None
+        if self.warmers:
+            dim = target.net.config.dim
+            for source in self.warmers:
+                source.warm(prompt[0], features[:, -dim:], target.net.logits)
+            features = features[:, :-dim] if self.layers is not None else None
+        if self.drafter is not None:
+            self.drafter.start(self.row, prompt[0], features, self.runtime.ops)
+        first = choose(self.logits, torch.tensor([[n]], device=target.device), [request.sampling])[0, 0]
+        context[:n], context[n] = prompt[0], first
+        request.length, request.target_len = n + 1, n
+        request.stats.prefill_seconds = time.perf_counter() - request.stats.t0
+        request.done = request.spec.max_new_tokens <= 0
+        if not request.done:
+            request.take([host_read(first)[0]], target.eos_token_ids)
+
+
+def prefill(runtime: Runtime, state: SpecState, row: int, request: Request, context: Tensor,
+            speculates: bool = True, drafts: bool = True) -> None:
+    """Start ``request`` in cache row ``row``, its whole prompt read at once (``Prefill``);
+    ``context`` [L]: its row of the batch's."""
+    p = Prefill(runtime, state, row, request, speculates, drafts)
+    p.read()
+    p.finish(context)
 
 
 def decode_step(runtime: Runtime, state: SpecState, controller: StepController, rows: list[Request],

@@ -51,6 +51,50 @@ def test_requests_join_and_leave_between_steps(smollm2, self_drafter, prompts, a
     assert third.out == ar_alone[2]
 
 
+@pytest.mark.parametrize("method", ["ar", "graft"])
+def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode(smollm2, self_drafter, prompts, method):
+    """With prefill_chunk C a prompt that arrives while others decode is read C tokens per step,
+    in the row after theirs, and joins them once read; the others commit tokens meanwhile, one
+    of them leaves (the prompt's row moves down with it), and every answer is plain decoding's (fp32)."""
+    long_ids = encode_prompt(smollm2, "\n\n".join(p.text for p in load_prompts("humaneval")[:3]), chat=True)
+    assert len(long_ids) > 3 * 64                            # several chunks of 64
+    want = [graft_tk.decode(smollm2, ids, max_new_tokens=n).tokens
+            for ids, n in ((prompts[2], 24), (prompts[3], 4), (long_ids, 16))]
+    batch = Engine(smollm2, self_drafter).batch(3, prefill_chunk=64)
+    with torch.inference_mode():
+        staying = batch.add(prompts[2], method, max_new_tokens=24)
+        leaving = batch.add(prompts[3], method, max_new_tokens=4)
+        reading = batch.add(long_ids, method, max_new_tokens=16)
+        assert batch.rows == [staying, leaving] and batch.prefilling.request is reading
+        assert batch.full and len(batch) == 3 and batch.prefilling.tokens_read == 64 and reading.out == []
+        chunks, finished = 1, []
+        while batch.prefilling is not None:
+            before = len(staying.out)
+            finished += batch.step()
+            chunks += 1
+            assert len(staying.out) > before                 # it decodes while the prompt is read
+        assert chunks == -(-len(long_ids) // 64) and leaving in finished
+        assert batch.rows == [staying, reading] and len(reading.out) >= 1
+        while len(batch):
+            finished += batch.step()
+    assert [staying.out, leaving.out, reading.out] == want
+
+
+def test_a_prompt_being_read_can_be_cancelled_and_alone_is_read_whole(smollm2, prompts):
+    batch = Engine(smollm2).batch(2, prefill_chunk=16)
+    with torch.inference_mode():
+        alone = batch.add(prompts[0], "ar", max_new_tokens=4)
+        assert batch.prefilling is None and batch.rows == [alone]       # nothing decoding: read at once
+        reading = batch.add(prompts[1], "ar", max_new_tokens=4)
+        assert batch.prefilling.request is reading
+        batch.cancel(reading)
+        assert batch.prefilling is None and reading.done and batch.rows == [alone] and not batch.full
+        while len(batch):
+            batch.step()
+    with pytest.raises(InputError, match="prefill_chunk"):
+        Engine(smollm2).batch(2, prefill_chunk=0)
+
+
 def test_a_policy_budget_above_the_engines_is_served(smollm2, self_drafter, prompts, ar_alone):
     """F1: a batch-size policy whose N exceeds the engine's overflowed every request's context
     buffer (sized by the engine's N): the whole batch failed. Each request is sized for the

@@ -181,6 +181,33 @@ def test_the_gate_tries_the_other_arm_less_often_while_it_keeps_losing():
     assert tries(EXPLORE_EVERY, faster_drafting) == list(range(1, EXPLORE_EVERY))   # the old; not drafting tried at 8
 
 
+def test_a_batch_costs_its_rows_tokens_and_extends_the_curve_by_its_slope():
+    cost = StepCost(verify_ms=(10.0, 10.0, 12.0, 14.0), draft_ms=(1.0, 2.0), step_ms=1.0, verify_ms_per_1k=(1.0,) * 4)
+    assert cost.batch(1) is cost
+    two = cost.batch(2)
+    assert two.verify_ms == (10.0, 14.0, 18.0, 22.0)         # 2, 4 tokens measured; 6, 8 at 2 ms a token
+    assert two.draft_ms == (2.0, cost.draft(4))
+    assert two.step_ms == 1.0 and len(two.verify_ms_per_1k) == 4
+
+
+def test_a_batch_speculates_only_as_far_as_its_measured_costs_pay():
+    """Flat to 4 tokens, then 2 ms a token: one request verifies wide; four requests, whose
+    one-more-node-each costs 4 tokens of forward, verify nothing but their roots unless the
+    nodes are likely enough (plain decoding is one of the choices)."""
+    cost = StepCost(verify_ms=tuple(10.0 + 2 * max(n - 4, 0) for n in range(1, 17)), draft_ms=(), step_ms=0.0)
+    plan = StepPlan.fixed([METHODS["graft"]] * 4, GraftConfig(budget=16))
+    half = torch.full((4, 16), math.log(0.5))
+    alone = StepPolicy(cost, top_k=1, budget=16)
+    assert alone.width(plan, half[:1]) == 16              # 0.5 tokens a node for 2 ms at R = 0.1
+    batch = StepPolicy(cost, top_k=1, budget=16, rows=4)
+    assert batch.rate == pytest.approx(0.4)                # plain decoding: 4 tokens per 10 ms
+    assert batch.width(plan, half) == 1                    # 4 x 0.5 tokens < 0.4 x 8 ms
+    assert batch.width(plan, torch.full((4, 16), math.log(0.9))) > 1      # 4 x 0.9 > 3.2
+    mixed = half.clone()
+    mixed[2:] = -math.inf                                  # two rows without candidates add nothing
+    assert batch.width(plan, mixed) == 1
+
+
 def test_the_fixed_plan_follows_the_config_and_each_rows_method():
     config = GraftConfig(budget=3, max_depth=6, top_k=4, tau=0.5)
     plan = StepPlan.fixed([METHODS["ar"], METHODS["graft"], METHODS["tree"], METHODS["pld"]], config)
@@ -201,7 +228,10 @@ def test_the_state_chooses_a_requests_controllers_and_a_batch_runs_its_config():
     assert plain.controller([METHODS["graft"]]).parts == (plain.gate,)
     assert plain.controller([METHODS["graft-paper"]]) is FIXED
     assert state.controller([METHODS["tree"]]) is FIXED                            # it does not prune
-    assert state.controller([METHODS["graft"]] * 2) is FIXED                   # a batch: its config
+    two = state.controller([METHODS["graft"]] * 2)          # a batch: the cost policy of its size
+    assert isinstance(two, StepPolicy) and two.rows == 2 and state.controller([METHODS["graft"]] * 2) is two
+    assert plain.controller([METHODS["graft"]] * 2) is FIXED               # no cost model: its config
+    assert state.controller([METHODS["tree"], METHODS["pld"]]) is FIXED    # no row prunes
     # the gate reads the free sources' signal only when the row would draft, and learns only then
     gate, plan = DraftGate(), StepPlan.fixed([METHODS["graft"]], GraftConfig())
     assert gate.plan(plan, torch.tensor([3.0])).drafts == (True,)     # a match: drafting first

@@ -43,7 +43,7 @@ from graft_tk.decode import encode_prompt, resolve_config
 from graft_tk.bench.prompts import load_prompts
 from graft_tk.server.app import serving_in_thread
 from graft_tk.server.metrics import Metrics
-from graft_tk.server.scheduler import Scheduler
+from graft_tk.server.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler, batching_config
 
 COMPILE_DRAFTER = "compile-drafter"     # "<method>:compile-drafter": served with --compile drafter
 
@@ -65,7 +65,7 @@ class Served:
         return cls(name, method, Compile.DRAFTER if option else Compile.OFF)
 
 
-def run_client(urls: list[str], prompts: list[str], c: int, per_client: int, max_tokens: int
+def run_client(urls: list[str], prompts: list[list[dict]], c: int, per_client: int, max_tokens: int
                ) -> list[tuple[int, int, str, int, float]]:
     """Client c: ``per_client`` requests in turn, prompts c * per_client, c * per_client + 1, ...,
     each sent to every server of ``urls`` one after the other (which first alternates);
@@ -78,7 +78,7 @@ def run_client(urls: list[str], prompts: list[str], c: int, per_client: int, max
         for k in (range(len(urls)) if i % 2 == 0 else reversed(range(len(urls)))):
             t = time.perf_counter()
             resp = clients[k].chat.completions.create(model="bench", temperature=0, max_tokens=max_tokens,
-                                                      messages=[{"role": "user", "content": prompts[i]}])
+                                                      messages=prompts[i])
             out.append((k, i, resp.choices[0].message.content, resp.usage.completion_tokens, time.perf_counter() - t))
     return out
 
@@ -87,7 +87,7 @@ def _import_openai() -> None:
     import openai  # noqa: F401 - imported once per client process, before the clock
 
 
-def load(urls: list[str], prompts: list[str], clients: int, per_client: int, max_tokens: int) -> list[dict]:
+def load(urls: list[str], prompts: list[list[dict]], clients: int, per_client: int, max_tokens: int) -> list[dict]:
     """``clients`` client processes (started, and openai imported, before the clock starts), as
     real clients are: threads of this process would hold the interpreter lock that the server's
     decode thread needs between its ops. What came back from each server and when. With several
@@ -123,6 +123,7 @@ class Samples(Metrics):
         super().__init__()
         self.first_token_s: list[float] = []
         self.per_token_s: list[float] = []
+        self.chunk_wait_s: list[float] = []       # every wait between two chunks of a stream
 
     def observe(self, job) -> None:
         super().observe(job)
@@ -130,6 +131,7 @@ class Samples(Metrics):
             self.first_token_s.append(job.first_token_at - job.created)
         for wait, tokens in job.chunk_waits:
             self.per_token_s += [wait / tokens] * tokens
+            self.chunk_wait_s.append(wait)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -143,7 +145,8 @@ def percentile(values: list[float], q: float) -> float:
 def latencies(samples: Samples) -> dict:
     return {"ttft_p50_s": percentile(samples.first_token_s, 0.5), "ttft_p99_s": percentile(samples.first_token_s, 0.99),
             "token_p50_ms": 1000 * percentile(samples.per_token_s, 0.5),
-            "token_p99_ms": 1000 * percentile(samples.per_token_s, 0.99)}
+            "token_p99_ms": 1000 * percentile(samples.per_token_s, 0.99),
+            "chunk_wait_max_s": max(samples.chunk_wait_s, default=math.nan)}
 
 
 def time_split(metrics: Metrics) -> dict:
@@ -160,7 +163,8 @@ def report(r: dict) -> None:
                                                      and v["seconds"] else "") for k, v in r["time_split"].items())
     print(f"B={r['batch']} {r['method']:8s} {r['requests_per_s']:.3f} req/s {r['output_tokens_per_s']:.2f} tok/s "
           f"p50 {r['latency_p50_s']:.1f} s p95 {r['latency_p95_s']:.1f} s first token p99 {r['ttft_p99_s']:.2f} s "
-          f"per token p99 {r['token_p99_ms']:.0f} ms peak batch {r['peak_batch']} {split}",
+          f"per token p99 {r['token_p99_ms']:.0f} ms longest wait between chunks {r['chunk_wait_max_s']:.1f} s "
+          f"peak batch {r['peak_batch']} {split}",
           file=sys.stderr, flush=True)
 
 
@@ -176,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests per (B, method), split evenly between the B clients (rounded up)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help="graft-serve's --prefill-chunk; 0 reads every prompt whole (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None, help="graft-serve's --max-model-len")
     p.add_argument("--json", default=None, metavar="OUT")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -189,25 +196,34 @@ def main(argv: list[str] | None = None) -> int:
     needs = any(METHODS[s.method].drafts for s in served.values())
     quant = cpu_drafter_quant(target.device, target.dtype) or "none"     # graft-serve's default drafter
     drafter = load_drafter(spec, target, args.model, dtype=args.dtype, quant=quant) if needs else None
-    texts = []
+    texts = []      # each prompt as the messages a client sends (a long conversation's earlier turns included)
     for part in args.prompts.split(","):
         name, _, n = part.partition("#")
-        texts += [q.text for q in load_prompts(name)[:int(n) if n else None]]
+        texts += [[{"role": "user", "content": q.chat}] if isinstance(q.chat, str) else q.chat
+                  for q in load_prompts(name)[:int(n) if n else None]]
     for s in served.values():   # untimed: the first forwards of each shape in a process are slow
         d = drafter if METHODS[s.method].drafts else None
         graft_tk.decode(target, encode_prompt(target, texts[0], chat=True), drafter=d, method=s.method,
                         max_new_tokens=8)
+
+    cost_models: dict[str, object] = {}     # method -> its config with the cost model measured once
 
     def server(name: str, B: int) -> tuple[Scheduler, str]:
         method = served[name].method
         d = drafter if METHODS[method].drafts else None
         config, source = resolve_config(target, d, METHODS[method], None)
         policy = batch_policy(target, d, B) if method != "ar" else {}
+        if config.cost is None and B > 1:     # as graft-serve --max-batch B measures them (once per method here)
+            if method not in cost_models:
+                cost_models[method] = batching_config(target, d, method, config, B)
+            config = cost_models[method]
+            source += "; step costs measured at start" if config.cost is not None else ""
         if policy:
             source += "; by batch size " + ", ".join(f"{b}: N={c.budget} tau={c.tau:.3g} D={c.max_depth}"
                                                      for b, c in policy.items())
         scheduler = Scheduler(target, d, method, config, max_queue=256, metrics=Samples(), max_batch=B,
-                              policy=policy, compile=served[name].compile)
+                              policy=policy, compile=served[name].compile, max_model_len=args.max_model_len,
+                              prefill_chunk=args.prefill_chunk or None)
         scheduler.warm_up()     # untimed, as graft-serve compiles before it opens its port
         return scheduler, source
 
@@ -249,14 +265,15 @@ def main(argv: list[str] | None = None) -> int:
                 seconds[name] += time.perf_counter() - t
         single = {m: tokens[m] / seconds[m] for m in methods}
     lines = ["| B | method | requests/s | output tok/s | vs ar | p50 latency s | p95 latency s | first token p50 / "
-             "p99 s | per-token p50 / p99 ms | peak batch | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "p99 s | per-token p50 / p99 ms | longest chunk wait s | peak batch | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["batch"], methods.index(r["method"]))):
         ar = next(x for x in rows if x["batch"] == r["batch"] and x["method"] == methods[0])
         lines.append(f"| {r['batch']} | {r['method']} | {r['requests_per_s']:.3f} | {r['output_tokens_per_s']:.2f} | "
                      f"{r['output_tokens_per_s'] / ar['output_tokens_per_s']:.2f}x | {r['latency_p50_s']:.1f} | "
                      f"{r['latency_p95_s']:.1f} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | "
-                     f"{r['token_p50_ms']:.0f} / {r['token_p99_ms']:.0f} | {r['peak_batch']} | "
+                     f"{r['token_p50_ms']:.0f} / {r['token_p99_ms']:.0f} | {r['chunk_wait_max_s']:.1f} | "
+                     f"{r['peak_batch']} | "
                      f"{'yes' if r['same_as_reference'] else 'NO'} |")
     if single:
         lines.append("")

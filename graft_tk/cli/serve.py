@@ -27,6 +27,7 @@ from ..decode import resolve_config
 from ..runtime import check_drafter
 from ..errors import GraftError, InputError
 from ..models import load_model
+from ..server.scheduler import DEFAULT_PREFILL_CHUNK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most tokens of one request, prompt + answer: the KV caches are one pool of --max-batch rows "
                         "of this many tokens, allocated at start-up and never grown; longer requests get a 400 "
                         "(default: the model's context, at most 4096)")
+    p.add_argument("--prefill-chunk", type=at_least(1), default=DEFAULT_PREFILL_CHUNK, metavar="TOKENS",
+                   help="a prompt arriving while other requests decode is read this many tokens per step, so their "
+                        "streams keep going while it is read (default: %(default)s)")
     p.add_argument("--policy-hold", type=at_least(0), default=8, metavar="STEPS",
                    help="a batch plans its N, tau and D for the most requests of the last STEPS steps, so the "
                         "gap between a client's requests does not switch the policy (default: %(default)s)")
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from ..server.app import create_app, http_server
         from ..server.metrics import Metrics
-        from ..server.scheduler import Scheduler
+        from ..server.scheduler import Scheduler, batching_config
     except ImportError as e:
         print(f"graft-serve: error: {e.name} is missing: pip install 'graft-tk[serve]'", file=sys.stderr)
         return 2
@@ -100,17 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"graft-serve: error: {e}", file=sys.stderr)
         return 2
     policy = {}
-    if args.max_batch > 1 and method != "ar":
+    if args.max_batch > 1 and METHODS[method].speculates:
         from ..profiles import batch_policy
         policy = batch_policy(target, drafter, args.max_batch)
-        if not policy:   # on a CPU the single-request config can be slower than ar in a batch
-            logging.getLogger("graft_tk.server").warning(
-                "no batch-size profile for this pair: batches of 2 to %d use the single-request config; "
-                "graft-calibrate --model %s --batch B finds N, tau and D for B requests", args.max_batch, args.model)
+        config = batching_config(target, drafter, method, config, args.max_batch)
     plan = ", ".join(f"from {b}: N={c.budget} tau={c.tau:.3g} D={c.max_depth}" for b, c in policy.items())
     try:
         scheduler = Scheduler(target, drafter, method, config, args.max_queue, Metrics(), args.max_batch, policy,
-                              hold=args.policy_hold, max_model_len=args.max_model_len, compile=args.compile)
+                              hold=args.policy_hold, max_model_len=args.max_model_len, compile=args.compile,
+                              prefill_chunk=args.prefill_chunk)
     except GraftError as e:   # e.g. a batch of an EAGLE-3 head's requests
         print(f"graft-serve: error: {e}", file=sys.stderr)
         return 2

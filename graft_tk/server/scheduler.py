@@ -12,6 +12,7 @@ cancelled: its ``on_tokens`` answers True and its decoding stops after the curre
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -19,7 +20,9 @@ import time
 import uuid
 
 from ..compiled import Compile
+from ..config import GraftConfig
 from ..engine import Engine
+from ..methods import METHODS
 from ..models import Model
 from ..sampling import Sampling
 from .metrics import Metrics
@@ -27,8 +30,26 @@ from .protocol import APIError, Request
 
 log = logging.getLogger("graft_tk.server")
 DEFAULT_MAX_MODEL_LEN = 4096   # tokens per request (prompt + answer) when --max-model-len is not given
+DEFAULT_PREFILL_CHUNK = 256    # prompt tokens read per step while others decode (--prefill-chunk)
 WARM_UP_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 WARM_UP_TOKENS = 12
+
+
+def batching_config(target: Model, drafter, method: str, config: GraftConfig, max_batch: int) -> GraftConfig:
+    """The config a server batching up to ``max_batch`` requests of ``method`` runs: with the
+    device's cost model, so that each batch size's cost policy (``graft_tk.policy``) speculates
+    only as far as it pays and falls back to plain decoding where it does not. Measured here
+    (a minute or so on a CPU, logged) when the config has none (no ``graft-calibrate --cost-only``
+    profile for the pair)."""
+    if max_batch < 2 or not METHODS[method].prune or config.cost is not None:
+        return config
+    from ..calibration.cost import measure_step_cost
+    log.warning("measuring this device's step costs for batches of up to %d requests (at every start without a "
+                "profile; graft-calibrate --model %s --cost-only keeps them in one) ...", max_batch, target.name)
+    t0 = time.perf_counter()
+    config = dataclasses.replace(config, cost=measure_step_cost(target, drafter, config))
+    log.warning("measured in %.0f s", time.perf_counter() - t0)
+    return config
 
 
 class Job:
@@ -148,7 +169,7 @@ class Scheduler:
 
     def __init__(self, target: Model, drafter, method: str, config, max_queue: int, metrics: Metrics,
                  max_batch: int = 1, policy: dict | None = None, hold: int = 8, max_model_len: int | None = None,
-                 compile: bool | str = False):
+                 compile: bool | str = False, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.target, self.drafter, self.method, self.metrics = target, drafter, method, metrics
@@ -158,7 +179,8 @@ class Scheduler:
         self.max_model_len = max_model_len or min(DEFAULT_MAX_MODEL_LEN, target.config.max_position_embeddings)
         # policy: batch size -> config (N, tau and D by batch size, graft-calibrate --batch B), planned
         # for the most requests of the last ``hold`` steps (graft_tk.batch.Batch)
-        self.batch = self.engine.batch(max_batch, policy, hold, self.max_model_len)
+        # a prompt arriving while others decode is read prefill_chunk tokens a step (graft_tk.batch)
+        self.batch = self.engine.batch(max_batch, policy, hold, self.max_model_len, prefill_chunk)
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._thread = threading.Thread(target=self._serve, name="graft-decode", daemon=True)
         self._accepting = True
@@ -234,7 +256,8 @@ class Scheduler:
             self._stepped(finished)
 
     def _stepped(self, finished) -> None:
-        self.metrics.observe_step(self.batch.last_step)
+        if self.batch.last_step is not None:      # None: the step read a prompt and decoded nothing
+            self.metrics.observe_step(self.batch.last_step)
         for request in finished:
             job = self._job_of.pop(id(request))
             del self.running[job.id]
@@ -246,9 +269,16 @@ class Scheduler:
         prompt + answer so far; a seeded draw depends on its position only, so the answer goes on as
         it would have), followed by one step. The request whose rejoining makes that step fail again
         is failed with the error (a 500 to its client); the others go on decoding."""
-        jobs = [self._job_of.pop(id(r)) for r in self.batch.rows]
-        for r in list(self.batch.rows):
+        jobs = [self._job_of.pop(id(r)) for r in self.batch.requests]
+        for r in self.batch.requests:
             self.batch.cancel(r)
+        chunk, self.batch.prefill_chunk = self.batch.prefill_chunk, None    # each rejoins whole
+        try:
+            self._rejoin(jobs)
+        finally:
+            self.batch.prefill_chunk = chunk
+
+    def _rejoin(self, jobs: list[Job]) -> None:
         for job in jobs:
             del self.running[job.id]
             request = self._join(job)
