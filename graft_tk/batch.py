@@ -16,9 +16,10 @@ no speculation, D = 0 no drafting), held at the largest size of the last ``hold`
 requests come and go.
 
 A long prompt need not stall the requests decoding: with ``prefill_chunk`` a prompt that
-arrives while others decode is read that many tokens per step (``graft_tk.step.Prefill``), in
-the row after theirs, before each step of theirs; it joins them once read. One prompt is read at
-a time (the batch is ``full`` meanwhile). Without it (a library call) a prompt is read whole.
+arrives while others decode is read by the next steps, at most that many tokens each
+(``graft_tk.step.Prefill``), in the row after theirs, before their forward; it joins them once
+read. One prompt is read at a time (the batch is ``full`` meanwhile), so between two of their
+steps at most one chunk is read. Without it (a library call) a prompt is read whole.
 
 Memory: without ``max_len`` the caches grow to the longest request so far and stay there (a
 library call, one process, one user). With ``max_len`` (graft-serve's ``--max-model-len``) they
@@ -129,9 +130,8 @@ class Batch:
         request = Request(spec, on_tokens, RequestStats(method.name, self.runtime.ops.backend), on_prefill=on_prefill)
         reading = Prefill(self.runtime, self.state, len(self.rows), request, speculates=self.max_budget > 1,
                           drafts=self.max_depth > 0)
-        if self.prefill_chunk is not None and self.rows and reading.total > self.prefill_chunk:
-            reading.read(self.prefill_chunk)        # the rest before the next steps, a chunk each
-            self.prefilling = reading
+        if self.prefill_chunk is not None and self.rows:
+            self.prefilling = reading       # read by the next steps, a chunk each
         else:
             self._started(reading)
         return request

@@ -112,6 +112,10 @@ class Drafter(Protocol):
     def move_row(self, src: int, dst: int) -> None:
         """Request ``src`` now lives in row ``dst`` (a batch keeps its rows packed)."""
 
+    def unread(self, row: int) -> bool:
+        """Whether ``row``'s next drafting step first reads the window of a long prompt (a drafter
+        that read nothing at ``start``): that step costs a prompt read on top of its forwards."""
+
 
 def expand(request: DraftRequest, root_logits: Tensor, catch_up: int, frontier_forward: Callable,
            root_slot: Tensor, context_slots: int, trash_slot: int, ops: Ops, vocab_map: Tensor | None = None
@@ -214,6 +218,9 @@ class CachedDrafter:
         self.net.kv[:, :, dst] = self.net.kv[:, :, src]
         self.kv_len[dst] = self.kv_len[src]
 
+    def unread(self, row: int) -> bool:
+        return False        # read at ``start``
+
     def catch_up(self, counts: list[int], device) -> CatchUp:
         """The layout of one forward over ``counts[b]`` new entries of each row b, after its ``kv_len``."""
         kv_len, T = self.kv_len[:len(counts)], max(counts)
@@ -251,6 +258,9 @@ class ModelDrafter(CachedDrafter):
     def move_row(self, src: int, dst: int) -> None:
         super().move_row(src, dst)
         self.skipped[dst] = self.skipped[src]
+
+    def unread(self, row: int) -> bool:
+        return self.kv_len[row] == 0 and self.skipped[row] > 0     # a prompt longer than sink + window
 
     def start(self, row: int, prompt: Tensor, features: Tensor | None, ops: Ops) -> None:
         """Nothing runs here: the row's first drafting step reads the sink and the window

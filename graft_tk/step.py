@@ -55,8 +55,9 @@ from .tree import DRAFT, ROOT, SOURCE_NAMES, BuiltTree
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step did: rows in it, their tree budget (1 = no speculation), its seconds, the
-    tokens it committed and its counters (graft-serve's /metrics sums them by size and budget)."""
+    """What one step did: rows in it, the nodes it verified per row (1 = no speculation; the cost
+    policy may verify fewer than the config's budget), its seconds, the tokens it committed and
+    its counters (graft-serve's /metrics sums them by size and width)."""
     size: int
     budget: int
     seconds: float
@@ -144,11 +145,13 @@ def decode_step(runtime: Runtime, state: SpecState, controller: StepController, 
     t0, committed_before = time.perf_counter(), sum(len(r.out) for r in rows)
     with counting(counters), runtime.kv.rows(0, len(rows)):
         clock = _Clock(rows)
-        plan = StepPlan.fixed([r.method for r in rows], config, max(r.length for r in rows))
+        drafter = runtime.drafter
+        unread = tuple(drafter is not None and drafter.unread(b) for b in range(len(rows)))
+        plan = StepPlan.fixed([r.method for r in rows], config, max(r.length for r in rows), unread)
         proposal = _propose(runtime, state, controller, rows, context, plan, clock)
         outcome = _verify_and_commit(runtime, state, rows, context, proposal, clock)
         seen = _settle(runtime, state, controller, rows, proposal, outcome, clock)
-    record = StepRecord(len(rows), proposal.plan.budget, time.perf_counter() - t0,
+    record = StepRecord(len(rows), proposal.built.tokens.shape[1], time.perf_counter() - t0,
                         sum(len(r.out) for r in rows) - committed_before, counters)
     controller.observe(proposal.plan, dataclasses.replace(seen, committed=record.tokens,
                                                           seconds=record.seconds - proposal.pool.reading_seconds))

@@ -161,6 +161,18 @@ def test_the_gate_takes_the_faster_of_drafting_or_not_in_each_situation():
     assert run(gate, 3.0, 1, faster_without) == [False]    # each situation keeps its own choice
 
 
+def test_a_drafter_that_read_nothing_yet_waits_while_the_free_sources_match():
+    """A drafter model reads its window in its first drafting step: while prompt lookup matches
+    (a match or a copy) that read waits; with no match the drafter starts as usual."""
+    gate = DraftGate()
+    assert gate.drafts(free=3.0) and not gate.drafts(free=3.0, unread=True)   # a match: drafting first, unless unread
+    assert not gate.drafts(free=6.0, unread=True)
+    assert gate.drafts(free=0.0, unread=True)                                  # no match: the drafter starts
+    plan = dataclasses.replace(StepPlan.fixed([METHODS["graft"]], GraftConfig()), unread=(True,))
+    assert gate.plan(plan, torch.tensor([3.0])).drafts == (False,)
+    assert gate.plan(dataclasses.replace(plan, unread=(False,)), torch.tensor([3.0])).drafts == (True,)
+
+
 def test_the_gate_tries_the_other_arm_less_often_while_it_keeps_losing():
     """Each try that confirms the choice doubles the wait before the next (up to EXPLORE_MAX
     steps); a try that finds the other arm faster switches to it and the wait starts again."""

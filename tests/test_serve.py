@@ -21,7 +21,7 @@ from graft_tk.bench.hostile_load import start_server
 from graft_tk.server.app import MAX_BODY_BYTES, serving_in_thread
 from graft_tk.server.metrics import Metrics
 from graft_tk.server.protocol import APIError, Request, parse_request
-from graft_tk.server.scheduler import Job, Scheduler
+from graft_tk.server.scheduler import Job, Scheduler, batching_config
 
 NAME = "smollm2-135m"
 MAX_MODEL_LEN = 1024
@@ -30,7 +30,9 @@ PROMPTS = ["Name three colours.", "Write a haiku about the sea.", "What is 2 + 2
 
 @contextlib.contextmanager
 def serving(target, drafter, method="graft", max_queue=64, max_batch=1):
-    scheduler = Scheduler(target, drafter, method, GraftConfig(), max_queue, Metrics(), max_batch,
+    """The server graft-serve makes: batching with the device's step costs measured at start."""
+    config = batching_config(target, drafter, method, GraftConfig(), max_batch)
+    scheduler = Scheduler(target, drafter, method, config, max_queue, Metrics(), max_batch,
                           max_model_len=MAX_MODEL_LEN)
     with serving_in_thread(scheduler, NAME) as url:
         yield url, scheduler
@@ -312,6 +314,21 @@ def test_batched_forty_requests_eight_at_a_time_all_complete_unmixed(smollm2, ba
     sizes = {int(b) for b in re.findall(r'^graft_batch_steps_total\{size="(\d+)",budget="\d+"\} [1-9]', text, re.M)}
     assert max(sizes) == 4
     assert 0 < metric(url, "batch_step_tokens_total") <= metric(url, "completion_tokens_total")
+
+
+def test_a_batching_server_steers_by_step_costs_measured_at_start(smollm2, drafter, batched):
+    """Without a profile's cost model a server that batches a method that prunes measures one at
+    start, and each batch size is then steered by its cost policy; one request at a time, or no
+    method that prunes, or a profile's cost model: the config as it is."""
+    url, scheduler, client = batched
+    forty_requests_eight_at_a_time(smollm2, client, n=8)      # every answer plain greedy's
+    cost = scheduler.engine.config.cost
+    assert cost is not None and len(cost.verify_ms) >= scheduler.engine.config.budget
+    assert set(scheduler.engine.state.batch_policies) & {2, 3, 4}      # the sizes that decoded had their policy
+    plain = GraftConfig()
+    assert batching_config(smollm2, drafter, "graft", plain, 1) is plain
+    assert batching_config(smollm2, None, "retrieval+pld", plain, 4) is plain
+    assert batching_config(smollm2, drafter, "graft", scheduler.engine.config, 4) is scheduler.engine.config
 
 
 def test_batched_client_that_goes_away_frees_its_row(batched):

@@ -6,14 +6,19 @@
 Every method first decodes one prompt untimed (the process's first forwards of each shape are
 slow). Then for each B > 1, each method in turn: an in-process server (the real app on uvicorn, a free loopback port) with ``max_batch`` = B,
 and B client processes sending ``--requests-per-cell`` requests between them, each client one after
-the other, through the ``openai`` client (greedy chat completions); graft runs the budget policy by
-batch size that ``graft-calibrate --batch B`` profiles give (the pair's own profile below them).
+the other, through the ``openai`` client (greedy chat completions; ``--prompts`` may mix short
+prompts with long ones, e.g. ``humaneval#6,long@2k#1``, a conversation's earlier turns sent as its
+messages); graft runs the budget policy by batch size that ``graft-calibrate --batch B`` profiles
+give (the pair's own profile below them) and, as graft-serve does, the cost policy of each batch
+size with a cost model measured at start when no profile has one.
 Which method goes first alternates from one B to the next. For B = 1 every method's server runs at
 once and the one client sends each request to each in turn (request-level interleaving: this
 machine's speed drifts by 10-15% over minutes, more than two sequential cells can tell apart). Reported per (B, method): requests/s,
 output tokens/s, p50 / p95 latency, time to first token and per-token latency (p50 / p99, from
-the server: a step's wait over the tokens it committed, as a streaming client would get them), the most requests decoded together, where the decode thread's time went (prefills, and steps by the number of requests in
-them and their tree budget N; N = 1 is a step without speculation), and every answer checked equal
+the server: a step's wait over the tokens it committed, as a streaming client would get them), the
+longest wait between two chunks of a stream, the most requests decoded together, where the decode
+thread's time went (prefills, and steps by the number of requests in them and the nodes each
+verified; 1 is a step without speculation), and every answer checked equal
 to the same prompt's answer under ``ar`` (greedy decoding is lossless, batched or not). With B = 1
 it also times the same requests through ``graft_tk.decode`` directly (prefill included, as the
 server's figures include it), so the server's advantage at B = 1 can be set against

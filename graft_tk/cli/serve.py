@@ -4,13 +4,14 @@
     curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"model": "qwen2.5-coder-1.5b", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0}'
 
-Requests decode one at a time, first come first served, with one engine whose adjacency matrix
-(retrieval's source) stays warm across requests; up to --max-queue wait, more get 429. Each
-finished request logs one line. SIGTERM (or Ctrl-C) stops accepting, lets requests in flight
-finish for --grace seconds, then cancels the rest: their clients get a 503 error (a stream as its
-last event) and the server exits 0. GET /metrics (Prometheus text): requests and tokens, time to
-first token and inter-token latency histograms, accepted tokens by source, steps by batch size
-and tree budget (budget 1: no speculation).
+Up to --max-batch requests decode together (first come first served, continuous batching), with
+one engine whose adjacency matrix (retrieval's source) stays warm across requests; a prompt that
+arrives while others decode is read --prefill-chunk tokens a step; up to --max-queue wait, more
+get 429. Each finished request logs one line. SIGTERM (or Ctrl-C) stops accepting, lets requests
+in flight finish for --grace seconds, then cancels the rest: their clients get a 503 error (a
+stream as its last event) and the server exits 0. GET /metrics (Prometheus text): requests and
+tokens, time to first token and inter-token latency histograms, accepted tokens by source, steps
+by batch size and the nodes they verified per request (1: no speculation).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from ..decode import resolve_config
 from ..runtime import check_drafter
 from ..errors import GraftError, InputError
 from ..models import load_model
-from ..server.scheduler import DEFAULT_PREFILL_CHUNK
+from ..server.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,9 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="default: %(default)s (loopback only)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
     p.add_argument("--max-queue", type=at_least(1), default=64, help="requests waiting at most; more get 429 (default: %(default)s)")
-    p.add_argument("--max-batch", type=at_least(1), default=1,
-                   help="requests decoded together, one target forward per step for all (continuous batching); "
-                        "1 decodes one at a time (default: %(default)s)")
+    p.add_argument("--max-batch", type=at_least(1), default=DEFAULT_MAX_BATCH,
+                   help="requests decoded together, one target forward per step for all (continuous batching), "
+                        "each batch size speculating only as far as the device's measured costs say it pays; 1 "
+                        "decodes one at a time (default: %(default)s: on a 2-core CPU four requests together "
+                        "served 2.4x the tokens/s of one at a time)")
     p.add_argument("--max-model-len", type=at_least(2), default=None, metavar="TOKENS",
                    help="most tokens of one request, prompt + answer: the KV caches are one pool of --max-batch rows "
                         "of this many tokens, allocated at start-up and never grown; longer requests get a 400 "

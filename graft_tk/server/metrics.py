@@ -46,7 +46,7 @@ class Metrics:
         self.first_token = Histogram(LATENCY_BUCKETS)       # arrival to the first token
         self.per_token = Histogram(TOKEN_BUCKETS)           # a chunk's wait over the tokens it carries
         self.rejected: Counter = Counter()          # HTTP status of requests refused before decoding
-        # batched steps by (requests in the step, tree budget N; 1 = no speculation)
+        # batched steps by (requests in the step, nodes verified per request; 1 = no speculation)
         self.batch_steps: Counter = Counter()
         self.batch_step_seconds: Counter = Counter()
         self.batch_step_tokens: Counter = Counter()
@@ -117,8 +117,8 @@ class Metrics:
             metric("phase_seconds_total", "counter", "Decoding time by phase of the step.",
                    [({"phase": ph}, float(t)) for ph, t in sorted(self.phase_seconds.items())])
             by_size = sorted(self.batch_steps)
-            metric("batch_steps_total", "counter", "Batched decode steps, by requests in the step and tree budget "
-                   "(budget 1 = no speculation at that size).",
+            metric("batch_steps_total", "counter", "Batched decode steps, by requests in the step and the nodes "
+                   "each verified (budget 1 = no speculation).",
                    [({"size": b, "budget": n}, self.batch_steps[b, n]) for b, n in by_size])
             metric("batch_step_seconds_total", "counter", "Seconds in batched decode steps, by size and budget.",
                    [({"size": b, "budget": n}, float(self.batch_step_seconds[b, n])) for b, n in by_size])

@@ -31,6 +31,7 @@ from .protocol import APIError, Request
 log = logging.getLogger("graft_tk.server")
 DEFAULT_MAX_MODEL_LEN = 4096   # tokens per request (prompt + answer) when --max-model-len is not given
 DEFAULT_PREFILL_CHUNK = 256    # prompt tokens read per step while others decode (--prefill-chunk)
+DEFAULT_MAX_BATCH = 4          # requests decoded together (--max-batch)
 WARM_UP_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 WARM_UP_TOKENS = 12
 
