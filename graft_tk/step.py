@@ -1,6 +1,6 @@
 """The decode step, batch-first: every request in flight advances by one target forward.
 
-``prefill`` starts a request in its batch row (``Prefill``: its prompt a chunk at a time);
+``Prefill`` starts a request in its batch row (its prompt read whole or a chunk at a time);
 ``decode_step`` is the one step every method and every batch size runs (plain decoding is the
 step whose trees are the root alone). It reads the models from a ``Runtime``, learns into a
 ``SpecState``, and asks a ``StepController`` what to do.
@@ -69,15 +69,15 @@ class Prefill:
     """Start ``request`` in cache row ``row``: the target's prefill (its last position's logits
     give the first token; the sources that warm from the prompt read every position's states),
     the drafter's start, the prompt and the first token into the row's context. ``read`` reads
-    the prompt a chunk at a time (a server runs decode steps of the other rows between chunks),
-    ``finish`` starts the request once all of it is read; ``prefill`` does both at once.
+    the prompt a chunk at a time (a server runs decode steps of the other rows between chunks)
+    or all of what is left, ``finish`` starts the request once all of it is read.
     ``speculates`` / ``drafts`` False: no step of this batch ever will (every config's N = 1 /
     D = 0), so the warm-ups / the drafter's start are skipped. ``row`` may change between
     chunks (the batch moves rows as requests leave)."""
 
     def __init__(self, runtime: Runtime, state: SpecState, row: int, request: Request,
                  speculates: bool = True, drafts: bool = True):
-        self.runtime, self.state, self.row, self.request = runtime, state, row, request
+        self.runtime, self.row, self.request = runtime, row, request
         method, target = request.method, runtime.target
         self.drafter = runtime.drafter if method.drafts and speculates and drafts else None
         self.layers = self.drafter.target_layers if self.drafter is not None else None
@@ -126,15 +126,6 @@ class Prefill:
         request.done = request.spec.max_new_tokens <= 0
         if not request.done:
             request.take([host_read(first)[0]], target.eos_token_ids)
-
-
-def prefill(runtime: Runtime, state: SpecState, row: int, request: Request, context: Tensor,
-            speculates: bool = True, drafts: bool = True) -> None:
-    """Start ``request`` in cache row ``row``, its whole prompt read at once (``Prefill``);
-    ``context`` [L]: its row of the batch's."""
-    p = Prefill(runtime, state, row, request, speculates, drafts)
-    p.read()
-    p.finish(context)
 
 
 def decode_step(runtime: Runtime, state: SpecState, controller: StepController, rows: list[Request],
