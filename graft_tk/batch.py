@@ -190,8 +190,9 @@ class Batch:
     def _reserve(self, tokens: int) -> None:
         """Every cache and the context with ``max_batch`` rows of room for a request of ``tokens``
         (prompt + new) and a step's tree after it; what rows hold is kept."""
-        self.runtime.kv.reserve(self.max_batch, tokens, self.max_budget, self.config.top_k, self.max_depth)
-        room = tokens + self.max_budget + 1
+        widest = max(self.max_budget, self.config.copy_budget)    # a copy's verify may be wider than N
+        self.runtime.kv.reserve(self.max_batch, tokens, widest, self.config.top_k, self.max_depth)
+        room = tokens + widest + 1
         if self.context.shape[1] < room:
             width = -(-room // CONTEXT_MULTIPLE) * CONTEXT_MULTIPLE
             grown = torch.full((self.max_batch, width), -1, dtype=torch.long, device=self.context.device)

@@ -30,7 +30,11 @@ class GraftConfig:
     # verified (a window costs acceptance, never output).
     drafter_window: int | None = 256
     drafter_sink: int = 4
-    pld_tokens: int = 16    # prompt-lookup chain length (a tree holds budget - 1 of them at most)
+    pld_tokens: int = 64    # prompt-lookup chain length (a tree holds budget - 1 of them at most)
+    # The widest verify of a copy: a request decoding alone whose answer copies the context
+    # verifies prompt lookup's chain as far as it is likely, up to this many nodes, where that is
+    # measured faster (the draft gate's wide arm, graft_tk.policy); <= budget: never wider than N.
+    copy_budget: int = 64
     pld_max_ngram: int = 16  # longest suffix n-gram looked up (down to 1): a long match is a copy
     # suffix decoding (the *suffix methods, graft_tk.sources.suffix): the longest suffix matched,
     # the latest occurrences kept (one chain each), the tokens proposed after each
@@ -56,6 +60,8 @@ class GraftConfig:
                f"template must be a non-empty tuple of positive level sizes, got {self.template!r}")
         _check(isinstance(self.pld_tokens, int) and self.pld_tokens >= 1,
                f"pld_tokens must be an int >= 1, got {self.pld_tokens!r}")
+        _check(isinstance(self.copy_budget, int) and not isinstance(self.copy_budget, bool) and self.copy_budget >= 1,
+               f"copy_budget must be an int >= 1, got {self.copy_budget!r}")
         _check(isinstance(self.pld_max_ngram, int) and self.pld_max_ngram >= 1,
                f"pld_max_ngram must be an int >= 1, got {self.pld_max_ngram!r}")
         for name in ("suffix_max_match", "suffix_chains", "suffix_tokens"):

@@ -111,6 +111,20 @@ class Observation:
     draft_rates: list[float] | None = None   # the drafter's rates by score bucket, when asked for
 
 
+class RankedValues:
+    """A built tree's node values for the controllers' ``width``: per rank (best first, the root
+    left out), the log of the rows' nodes of that rank summed, what verifying one more node per
+    row adds. Read to the host once, when a controller first asks (``host``)."""
+
+    def __init__(self, values: Tensor):
+        self.values, self._host = values, None     # [B, N] each node's estimated log P(on the accepted path)
+
+    def host(self) -> list[float]:
+        if self._host is None:
+            self._host = host_read(self.values[:, 1:].sort(1, descending=True).values.exp().sum(0).log())
+        return self._host
+
+
 class StepController:
     """The fixed plan; a controller overrides what it decides. ``free`` [B] (on the device, None
     when no source gives one): the tokens the candidates proposed before drafting are expected to
@@ -120,9 +134,8 @@ class StepController:
     def plan(self, plan: StepPlan, free: Tensor | None) -> StepPlan:
         return plan
 
-    def width(self, plan: StepPlan, values: Tensor) -> int:
-        """Nodes to verify of the tree built at N (``values`` [B, N], each node's estimated log P(on
-        the accepted path), root first): N keeps it."""
+    def width(self, plan: StepPlan, values: RankedValues) -> int:
+        """Nodes to verify of the tree built at N (``values``: its nodes' by rank): N keeps it."""
         return plan.budget
 
     def observe(self, plan: StepPlan, seen: Observation) -> None:
@@ -141,7 +154,7 @@ class Controllers(StepController):
             plan = p.plan(plan, free)
         return plan
 
-    def width(self, plan: StepPlan, values: Tensor) -> int:
+    def width(self, plan: StepPlan, values: RankedValues) -> int:
         return min(p.width(plan, values) for p in self.parts) if self.parts else plan.budget
 
     def observe(self, plan: StepPlan, seen: Observation) -> None:
@@ -229,12 +242,8 @@ class StepPolicy(StepController):
         drafts = plan.drafts if self.should_draft() else (False,) * len(plan.drafts)
         return dataclasses.replace(plan, log_tau=log_tau, drafts=drafts)
 
-    def width(self, plan: StepPlan, values: Tensor) -> int:
-        if self.fixed_width:
-            return plan.budget
-        # per rank, the rows' nodes of that rank summed: what verifying one more node per row adds
-        ranked = values[:, 1:].sort(1, descending=True).values.exp().sum(0).log()
-        return self.verify_width(host_read(ranked))   # one host read
+    def width(self, plan: StepPlan, values: RankedValues) -> int:
+        return plan.budget if self.fixed_width else self.verify_width(values.host())
 
     def observe(self, plan: StepPlan, seen: Observation) -> None:
         if seen.draft_rates is not None:
@@ -259,81 +268,113 @@ class StepPolicy(StepController):
 
 
 class DraftGate(StepController):
-    """Draft less where the free sources already propose: whether a request decoding alone runs
-    the drafter this step. Situations are told apart by ``free``, the tokens prompt lookup's
-    chain is expected to have accepted (from its acceptance estimates): none, a match (>= 1) and
-    a copy (>= 4: the answer is copying a span of the context; there a drafted node mostly
-    displaces a copied one). In each, the gate keeps the committed tokens per second of the
-    steps that drafted and of those that did not (decayed; times measured online: they change
-    the speed, never the output) and takes the faster, what usually wins there (``FIRST``:
-    drafting, except in a copy) until both are measured; the other is tried every
-    ``EXPLORE_EVERY``-th step of that situation (a copy of a few steps never runs the drafter),
-    and each try that confirms the choice doubles that wait, up to ``EXPLORE_MAX`` steps (a
-    skipped drafter's try also reads every token it missed: on a 2k-token code edit a try every
-    8 copied steps cost a fifth of the decode); a try that changes the choice resets it.
+    """Draft less where the free sources already propose, and verify a copy as far as it goes:
+    what a request decoding alone does this step. Situations are told apart by ``free``, the
+    tokens prompt lookup's chain is expected to have accepted (from its acceptance estimates):
+    none, a match (>= 1) and a copy (>= 4: the answer is copying a span of the context; there a
+    drafted node mostly displaces a copied one). Each situation has its arms: not drafting and
+    drafting, and in a copy a third, ``WIDE``: not drafting, the verify as wide as the chain is
+    likely (its nodes with P(on the accepted path) >= ``WIDE_P``, between the config's budget N and
+    ``GraftConfig.copy_budget``; on 2k-token code edits a 16-node verify accepted 15 nodes a step:
+    the budget, not the chain, stopped the copy). In each situation the gate keeps the committed
+    tokens per second of every arm's steps (decayed; times measured online: they change the
+    speed, never the output) and takes the fastest measured, the situation's first arm until
+    then (drafting; in a copy the wide verify, else not drafting); another arm is tried every
+    ``EXPLORE_EVERY``-th step of that situation at first (in turn; a copy of a few steps never
+    runs the drafter), and each try that confirms the choice doubles that wait, up to
+    ``EXPLORE_MAX`` steps (a skipped drafter's try also reads every token it missed: on a
+    2k-token code edit a try every 8 copied steps cost a fifth of the decode); a try that changes
+    the choice resets it.
     A request with a long prompt whose drafter has read nothing yet (a drafter model reads the
     window in its first drafting step, 1.3 s for 260 tokens through the int4 kernel on a 2-core
     Zen 4) starts it only where the free sources find no match: on a long copy the first steps
     match by a token or two, and drafting them paid that read for fewer tokens than the free
     chain alone gets.
     A drafted node that prompt lookup proposed too counts as the drafter's, so the drafter's own
-    acceptance overstates what it adds; the rates measure what a step gains from it."""
+    acceptance overstates what it adds; the rates measure what a step gains from it.
+    ``wide``: the widest verify of a copy (``GraftConfig.copy_budget``; 0: no wide arm); the
+    narrowest is the plan's N."""
 
     LEVELS = (1.0, 4.0)      # the expected free tokens from which a situation starts (after "none")
-    FIRST = (True, True, False)   # each situation's first arm: drafts?
+    NARROW, DRAFTING, WIDE = 0, 1, 2     # the arms: not drafting, drafting, not drafting verifying wide
+    WIDE_P = 0.5             # a wide verify holds the nodes at least this likely to be accepted
 
-    def __init__(self):
-        # [situation][drafted]: decayed committed tokens and seconds
-        k = len(self.LEVELS) + 1
-        self.tokens = [[0.0, 0.0] for _ in range(k)]
-        self.seconds = [[0.0, 0.0] for _ in range(k)]
-        self.since = [0] * k         # steps of each situation since the arm not taken was tried
+    def __init__(self, wide: int = 0):
+        self.wide = wide
+        self._budget = 0             # this step's N before the gate widened it
+        copy = (self.WIDE, self.NARROW, self.DRAFTING) if self.wide else (self.NARROW, self.DRAFTING)
+        self.arms = ((self.DRAFTING, self.NARROW), (self.DRAFTING, self.NARROW), copy)   # per situation, first first
+        # [situation][arm]: decayed committed tokens and seconds
+        k = len(self.arms)
+        self.tokens = [[0.0] * 3 for _ in range(k)]
+        self.seconds = [[0.0] * 3 for _ in range(k)]
+        self.since = [0] * k         # steps of each situation since another arm was tried
         self.every = [EXPLORE_EVERY] * k     # each situation's wait between such tries
+        self.turn = [0] * k          # which of the other arms the next try takes
         self._last = 0
-        self._tried: bool | None = None      # the last step tried the arm not taken, which was this
+        self._tried: int | None = None       # the last step tried another arm than this best one
         self._asked = False          # this step's plan asked the gate
 
     # ---------------------------------------------------------------- as a step controller
     def plan(self, plan: StepPlan, free: Tensor | None) -> StepPlan:
-        """Row 0 (the request decoding alone) drafts or not by the free sources' signal (one host read)."""
+        """Row 0 (the request decoding alone) drafts or not, and how wide its copy's verify may
+        be, by the free sources' signal (one host read)."""
         self._asked = free is not None and plan.budget > 1 and plan.drafts[0]
         if not self._asked:
             return plan
-        unread = bool(plan.unread and plan.unread[0])
-        return dataclasses.replace(plan, drafts=(self.drafts(host_read(free)[0], unread),) + plan.drafts[1:])
+        arm = self.arm(host_read(free)[0], bool(plan.unread and plan.unread[0]))
+        self._budget = plan.budget
+        return dataclasses.replace(plan, drafts=(arm == self.DRAFTING,) + plan.drafts[1:],
+                                   budget=max(self.wide, plan.budget) if arm == self.WIDE else plan.budget)
+
+    def width(self, plan: StepPlan, values: RankedValues) -> int:
+        """A wide verify: its nodes with P >= WIDE_P, at least N."""
+        if not self._asked or plan.budget <= self._budget:
+            return plan.budget
+        likely = sum(v >= math.log(self.WIDE_P) for v in values.host())
+        return min(max(1 + likely, self._budget), plan.budget)
 
     def observe(self, plan: StepPlan, seen: Observation) -> None:
         if self._asked:
-            self.count(seen.committed, seen.seconds, seen.drafted)
+            arm = self.DRAFTING if seen.drafted else self.WIDE if plan.budget > self._budget else self.NARROW
+            self.count(seen.committed, seen.seconds, arm)
 
-    def drafts(self, free: float, unread: bool = False) -> bool:
-        """Draft this step? ``unread``: the drafter would first read this request's long prompt."""
+    def arm(self, free: float, unread: bool = False) -> int:
+        """This step's arm. ``unread``: the drafter would first read this request's long prompt."""
         k = self._last = sum(free >= level for level in self.LEVELS)
         self._tried = None
-        if unread and k > 0:     # the free sources match: they go first, the drafter's read waits
-            return False
+        arms = self.arms[k]
         best = self.best(k)
-        if best is None:
-            best = self.FIRST[k]       # until both arms are measured: what usually wins there
+        if unread and k > 0:     # the free sources match: they go first, the drafter's read waits
+            return best if best != self.DRAFTING else next(a for a in arms if a != self.DRAFTING)
         self.since[k] += 1
         if self.since[k] >= self.every[k]:
+            others = [a for a in arms if a != best]
             self.since[k], self._tried = 0, best
-            return not best
+            self.turn[k] += 1
+            return others[(self.turn[k] - 1) % len(others)]
         return best
 
-    def best(self, k: int) -> bool | None:
-        """Situation ``k``'s faster arm (drafts?), None until both are measured."""
-        if not (self.seconds[k][0] and self.seconds[k][1]):
-            return None
-        return self.tokens[k][1] / self.seconds[k][1] >= self.tokens[k][0] / self.seconds[k][0]
+    def drafts(self, free: float, unread: bool = False) -> bool:
+        """Draft this step? (``arm`` is DRAFTING)"""
+        return self.arm(free, unread) == self.DRAFTING
 
-    def count(self, committed: int, seconds: float, drafted: bool) -> None:
-        k, d = self._last, int(drafted)       # the situation of the last ``drafts`` call
-        for arm in (0, 1):     # both arms age per step: a fresh try outweighs what was seen long ago
-            self.tokens[k][arm] *= RATE_DECAY
-            self.seconds[k][arm] *= RATE_DECAY
-        self.tokens[k][d] += committed
-        self.seconds[k][d] += seconds
-        if self._tried is not None:           # a try of the arm not taken: confirmed, wait longer
+    def best(self, k: int) -> int:
+        """Situation ``k``'s fastest measured arm; its first arm until that is measured."""
+        arms = self.arms[k]
+        if not self.seconds[k][arms[0]]:
+            return arms[0]
+        measured = [a for a in arms if self.seconds[k][a]]
+        return max(measured, key=lambda a: (self.tokens[k][a] / self.seconds[k][a], -arms.index(a)))
+
+    def count(self, committed: int, seconds: float, arm: int) -> None:
+        """Count a step of the last ``arm`` call's situation that ran ``arm``."""
+        k = self._last
+        for a in range(3):     # every arm ages per step: a fresh try outweighs what was seen long ago
+            self.tokens[k][a] *= RATE_DECAY
+            self.seconds[k][a] *= RATE_DECAY
+        self.tokens[k][arm] += committed
+        self.seconds[k][arm] += seconds
+        if self._tried is not None:           # a try of another arm: confirmed, wait longer
             confirmed = self.best(k) == self._tried
             self.every[k] = min(2 * self.every[k], EXPLORE_MAX) if confirmed else EXPLORE_EVERY

@@ -39,7 +39,8 @@ class SpecState:
                        if config.cost is not None else None)
         self.fixed_width = fixed_width
         self.batch_policies: dict[int, StepPolicy] = {}     # batch size -> its cost policy
-        self.gate = DraftGate()   # no drafting where the free sources already propose
+        # no drafting where the free sources already propose; a copy verified as far as it goes
+        self.gate = DraftGate(0 if fixed_width or config.copy_budget <= config.budget else config.copy_budget)
         self.draft_rates = DraftRates(priors.draft if priors else None, device)   # P(accepted | drafter score)
         # Set to a list to record, per verified node, (source code, depth, drafter score, accepted?):
         # graft-calibrate fits its score -> acceptance map from it. None: off (a host read per step).

@@ -43,7 +43,7 @@ from .config import GraftConfig
 from .counters import StepCounters, counting, host_read
 from .drafting import DraftPool, DraftRequest
 from .models.attention import AttentionPlan
-from .policy import Observation, StepController, StepPlan
+from .policy import Observation, RankedValues, StepController, StepPlan
 from .request import Request
 from .runtime import Runtime
 from .sampling import choose
@@ -218,7 +218,7 @@ def _propose(runtime: Runtime, state: SpecState, controller: StepController, row
         return ops.build_tree(pool.tokens, pool.parents, pool.scores, pool.depth, pool.n, roots, log_tau,
                               cand_tokens, state.cand_parents, cand_source, n, pool_values, cand_values)
     built = build(plan.budget)
-    n = controller.width(plan, built.values)
+    n = controller.width(plan, RankedValues(built.values))
     if n < plan.budget:
         built = build(n)
     clock.lap("retrieve")

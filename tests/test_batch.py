@@ -141,9 +141,10 @@ def test_a_fixed_pool_is_made_once_and_refuses_longer_requests(smollm2, self_dra
 
 
 def test_the_budget_follows_the_batch_size(smollm2, self_drafter, prompts, ar_alone):
-    """Policy {1: N = 12, 2: N = 4}: a step of two requests verifies 4 nodes each, a step of one 12."""
+    """Policy {1: N = 12, 2: N = 4}: a step of two requests verifies 4 nodes each, a step of one 12
+    (no copy verified wider: copy_budget = N)."""
     policy = {1: GraftConfig(budget=12), 2: GraftConfig(budget=4, tau=0.2)}
-    batch = Engine(smollm2, self_drafter).batch(2, policy=policy)
+    batch = Engine(smollm2, self_drafter, GraftConfig(copy_budget=16)).batch(2, policy=policy)
     assert batch.plan(1).budget == 12 and batch.plan(2).budget == 4 and batch.plan(8).budget == 4
     a = batch.add(prompts[0], "graft", max_new_tokens=6)
     b = batch.add(prompts[1], "graft", max_new_tokens=24)

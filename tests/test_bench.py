@@ -292,3 +292,23 @@ def test_serve_load_reports_first_token_and_per_token_latency(smollm2, tmp_path)
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["latency_p95_s"] + 1e-9
         assert 0 < r["token_p50_ms"] <= r["token_p99_ms"] <= 1000 * r["chunk_wait_max_s"] + 1e-6
     assert serve_load.percentile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0 and serve_load.percentile([5.0], 0.99) == 5.0
+
+
+def test_serve_load_open_loop_sends_on_a_seeded_poisson_schedule(smollm2, tmp_path):
+    """--arrival-rate: requests arrive at the times of a seeded Poisson process (the same for every
+    server), each streamed on its own while others run; answers equal ar's."""
+    from graft_tk.bench import serve_load
+    times = serve_load.poisson_arrivals(2.0, 400, seed=3)
+    assert times == serve_load.poisson_arrivals(2.0, 400, seed=3) != serve_load.poisson_arrivals(2.0, 400, seed=4)
+    gaps = [b - a for a, b in zip([0.0] + times, times)]
+    assert all(g > 0 for g in gaps) and 0.4 < sum(gaps) / len(gaps) < 0.6      # a mean gap of 1 / rate
+    out = tmp_path / "open.json"
+    assert serve_load.main(["--model", "smollm2-135m", "--methods", "ar,retrieval+pld", "--batches", "1,2",
+                            "--prompts", "humaneval#3", "--requests-per-cell", "3", "--max-tokens", "8",
+                            "--dtype", "fp32", "--arrival-rate", "20", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 and all(r["same_as_reference"] and r["requests"] == 3 for r in rows)
+    assert all(r["output_tokens"] > 0 and r["ttft_p50_s"] > 0 for r in rows)
+    assert max(r["peak_batch"] for r in rows if r["batch"] == 2) == 2     # at 20 a second they overlap
+    with pytest.raises(SystemExit):
+        serve_load.main(["--model", "smollm2-135m", "--arrival-rate", "0"])

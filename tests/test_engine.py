@@ -268,7 +268,7 @@ def test_the_drafter_never_drafts_deeper_or_wider_than_the_budget_can_verify(smo
 @pytest.mark.parametrize("kwargs, message", [
     (dict(budget=0), "budget"), (dict(tau=0.0), "tau"), (dict(tau=1.5), "tau"), (dict(top_k=0), "top_k"),
     (dict(max_depth=-1), "max_depth"), (dict(retrieval_k=0), "retrieval_k"), (dict(template=()), "template"),
-    (dict(pld_tokens=0), "pld_tokens"), (dict(pld_max_ngram=0), "pld_max_ngram"),
+    (dict(pld_tokens=0), "pld_tokens"), (dict(pld_max_ngram=0), "pld_max_ngram"), (dict(copy_budget=0), "copy_budget"),
     (dict(suffix_max_match=0), "suffix_max_match"), (dict(suffix_chains=0), "suffix_chains"),
     (dict(suffix_tokens=0), "suffix_tokens"),
 ])

@@ -18,7 +18,7 @@ from graft_tk.errors import CorruptFileError, InputError
 from graft_tk.methods import METHODS
 from graft_tk.ops import ops_for
 from graft_tk.sources.prompt_lookup import NGRAM_CLASSES
-from graft_tk.policy import EXPLORE_EVERY, EXPLORE_MAX, DraftGate, Observation, StepPlan, StepPolicy
+from graft_tk.policy import EXPLORE_EVERY, EXPLORE_MAX, DraftGate, Observation, RankedValues, StepPlan, StepPolicy
 from graft_tk.state import FIXED, SpecState
 from graft_tk.profiles import profile_key, read_profile, write_profile
 
@@ -145,7 +145,7 @@ def test_the_gate_takes_the_faster_of_drafting_or_not_in_each_situation():
         picks = []
         for _ in range(steps):
             picks.append(gate.drafts(free=free))
-            gate.count(*rate[picks[-1]], drafted=picks[-1])
+            gate.count(*rate[picks[-1]], arm=int(picks[-1]))
         return picks
     explored = [False] * (EXPLORE_EVERY - 1) + [True]
     gate = DraftGate()
@@ -182,15 +182,39 @@ def test_the_gate_tries_the_other_arm_less_often_while_it_keeps_losing():
         picks = []
         for _ in range(steps):
             picks.append(gate.drafts(free=6.0))            # a copy: not drafting first
-            gate.count(*rate[picks[-1]], drafted=picks[-1])
+            gate.count(*rate[picks[-1]], arm=int(picks[-1]))
         return [i + 1 for i, p in enumerate(picks) if p]
     faster_without = {True: (6, 0.6), False: (16, 0.4)}
     assert tries(8 + 16 + 32 + 64 + 56, faster_without) == [8, 24, 56, 120]
     assert gate.every[2] == EXPLORE_MAX
     faster_drafting = {True: (16, 0.2), False: (16, 0.4)}   # the workload changes: drafting pays now
     assert tries(8, faster_drafting) == [8]             # the next try, 64 steps after the last, ...
-    assert gate.every[2] == EXPLORE_EVERY and gate.best(2)   # ... finds drafting faster: one fresh try outweighs
+    assert gate.every[2] == EXPLORE_EVERY and gate.best(2) == DraftGate.DRAFTING   # ... finds drafting faster: one fresh try outweighs
     assert tries(EXPLORE_EVERY, faster_drafting) == list(range(1, EXPLORE_EVERY))   # the old; not drafting tried at 8
+
+
+def test_a_copy_is_verified_as_far_as_it_is_likely_while_that_is_faster():
+    """In a copy the gate's first arm verifies wide: the plan's budget is the copy budget, the
+    width the nodes at least WIDE_P likely (at least N, at most the copy budget); it counts as
+    its own arm, and where the N-node verify turns out faster the gate takes that."""
+    gate = DraftGate(wide=64)
+    plan = StepPlan.fixed([METHODS["graft"]], GraftConfig(budget=16))
+    wide = gate.plan(plan, torch.tensor([20.0]))
+    assert wide.budget == 64 and wide.drafts == (False,)
+    values = torch.full((1, 64), -math.inf)
+    values[0, :41] = math.log(0.6)                        # the root and 40 likely nodes
+    assert gate.width(wide, RankedValues(values)) == 41
+    assert gate.width(wide, RankedValues(values[:, :5])) == 16      # never narrower than N
+    gate.observe(wide, Observation(30, 1.0, 41, (), False, 0, 0))
+    assert gate.tokens[2][DraftGate.WIDE] == 30 and gate.best(2) == DraftGate.WIDE
+    assert gate.width(plan, RankedValues(values)) == 16   # a narrow plan stays narrow
+    picks = []
+    for _ in range(EXPLORE_EVERY):
+        arm = gate.arm(free=20.0)
+        picks.append(arm)
+        gate.count(*{DraftGate.WIDE: (30, 1.0), DraftGate.NARROW: (16, 0.4), DraftGate.DRAFTING: (6, 0.6)}[arm], arm=arm)
+    assert picks == [DraftGate.WIDE] * (EXPLORE_EVERY - 2) + [DraftGate.NARROW, DraftGate.NARROW]   # tried: faster
+    assert DraftGate().arms[2] == (DraftGate.NARROW, DraftGate.DRAFTING)    # no copy budget: no wide arm
 
 
 def test_a_batch_costs_its_rows_tokens_and_extends_the_curve_by_its_slope():
@@ -210,14 +234,14 @@ def test_a_batch_speculates_only_as_far_as_its_measured_costs_pay():
     plan = StepPlan.fixed([METHODS["graft"]] * 4, GraftConfig(budget=16))
     half = torch.full((4, 16), math.log(0.5))
     alone = StepPolicy(cost, top_k=1, budget=16)
-    assert alone.width(plan, half[:1]) == 16              # 0.5 tokens a node for 2 ms at R = 0.1
+    assert alone.width(plan, RankedValues(half[:1])) == 16              # 0.5 tokens a node for 2 ms at R = 0.1
     batch = StepPolicy(cost, top_k=1, budget=16, rows=4)
     assert batch.rate == pytest.approx(0.4)                # plain decoding: 4 tokens per 10 ms
-    assert batch.width(plan, half) == 1                    # 4 x 0.5 tokens < 0.4 x 8 ms
-    assert batch.width(plan, torch.full((4, 16), math.log(0.9))) > 1      # 4 x 0.9 > 3.2
+    assert batch.width(plan, RankedValues(half)) == 1                    # 4 x 0.5 tokens < 0.4 x 8 ms
+    assert batch.width(plan, RankedValues(torch.full((4, 16), math.log(0.9)))) > 1      # 4 x 0.9 > 3.2
     mixed = half.clone()
     mixed[2:] = -math.inf                                  # two rows without candidates add nothing
-    assert batch.width(plan, mixed) == 1
+    assert batch.width(plan, RankedValues(mixed)) == 1
 
 
 def test_the_fixed_plan_follows_the_config_and_each_rows_method():
@@ -387,3 +411,18 @@ def test_learnt_priors_follow_the_counts_and_are_validated(smollm2):
         AcceptancePriors(SourcePriors((0.5,), (2.0,)))
     with pytest.raises(InputError, match="one weight"):
         SourcePriors((0.5, 0.5), (100.0, 2.0))
+
+
+def test_a_long_copy_is_verified_wider_than_n_and_equals_ar(smollm2, self_drafter):
+    """A file whose third copy the model writes: once prompt lookup's chain is a copy, steps
+    verify up to the copy budget (64 nodes, accepted whole), and the tokens are ar's."""
+    code = ("def merge(left, right):\n    out = []\n    i = j = 0\n    while i < len(left) and j < len(right):\n"
+            "        if left[i] <= right[j]:\n            out.append(left[i])\n            i += 1\n        else:\n"
+            "            out.append(right[j])\n            j += 1\n    out.extend(left[i:])\n    out.extend(right[j:])\n"
+            "    return out\n")
+    ids = smollm2.tokenizer.encode(f"# merge.py\n{code}\n\n# merge_copy.py\n{code}\n\n# merge_copy2.py\n")
+    want = graft_tk.decode(smollm2, ids, max_new_tokens=96).tokens
+    got = graft_tk.decode(smollm2, ids, drafter=self_drafter, method="graft", max_new_tokens=96)
+    assert got.tokens == want
+    nodes, committed = got.stats["per_step"]["nodes"], got.stats["per_step"]["committed"]
+    assert max(nodes) == GraftConfig().copy_budget > GraftConfig().budget and max(committed) > GraftConfig().budget

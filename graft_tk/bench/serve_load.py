@@ -24,6 +24,13 @@ it also times the same requests through ``graft_tk.decode`` directly (prefill in
 server's figures include it), so the server's advantage at B = 1 can be set against
 single-request decoding. A method named ``<method>:compile-drafter`` runs as ``graft-serve
 --compile drafter`` does: its drafter's step forwards compiled, at the server's start (untimed).
+
+``--arrival-rate R`` is the open-loop load of a service: the requests arrive at the times of a
+Poisson process of R a second (seeded: every server gets the same schedule and prompts), each
+streamed on its own whatever the others are doing, and B is the server's max batch. Below the
+server's capacity its throughput is the offered load's; what tells configurations apart is the
+latency (first token, per token, the longest wait between chunks); past it, queues grow and
+throughput is the server's.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ import contextlib
 import json
 import math
 import multiprocessing
+import random
 import statistics
 import sys
 import time
@@ -88,25 +96,67 @@ def run_client(urls: list[str], prompts: list[list[dict]], c: int, per_client: i
     return out
 
 
+def poisson_arrivals(rate: float, n: int, seed: int = 0) -> list[float]:
+    """``n`` arrival times (seconds from the start) of a Poisson process of ``rate`` requests per
+    second: exponential gaps from a seeded generator, so every server gets the same schedule."""
+    rng, t, times = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+def run_arrivals(url: str, prompts: list[list[dict]], times: list[float], max_tokens: int
+                 ) -> tuple[list[tuple[int, int, str, int, float]], float]:
+    """Open loop: request i (prompt i mod len) sent at ``times[i]`` seconds after the start, each on
+    its own thread whatever the others are doing, streamed as a chat client reads it;
+    (server 0, prompt index, answer, completion tokens, seconds) for each, and the seconds from
+    the start to the last answer."""
+    import openai
+    from concurrent.futures import ThreadPoolExecutor
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
+    t0 = time.perf_counter()
+
+    def send(r: int) -> tuple[int, int, str, int, float]:
+        time.sleep(max(0.0, t0 + times[r] - time.perf_counter()))
+        i, start, text, tokens = r % len(prompts), time.perf_counter(), [], 0
+        for chunk in client.chat.completions.create(model="bench", temperature=0, max_tokens=max_tokens,
+                                                    messages=prompts[i], stream=True):
+            if chunk.choices:
+                text.append(chunk.choices[0].delta.content or "")
+            if getattr(chunk, "usage", None):
+                tokens = chunk.usage.completion_tokens
+        return 0, i, "".join(text), tokens, time.perf_counter() - start
+    with ThreadPoolExecutor(len(times)) as pool:
+        out = list(pool.map(send, range(len(times))))
+    return out, time.perf_counter() - t0
+
+
 def _import_openai() -> None:
     import openai  # noqa: F401 - imported once per client process, before the clock
 
 
-def load(urls: list[str], prompts: list[list[dict]], clients: int, per_client: int, max_tokens: int) -> list[dict]:
+def load(urls: list[str], prompts: list[list[dict]], clients: int, per_client: int, max_tokens: int,
+         arrivals: list[float] | None = None) -> list[dict]:
     """``clients`` client processes (started, and openai imported, before the clock starts), as
     real clients are: threads of this process would hold the interpreter lock that the server's
     decode thread needs between its ops. What came back from each server and when. With several
     servers (one client), each one's time is the sum of its requests' latencies: the client
     waits on one server at a time, so the servers take turns request by request and drift in
-    the machine's speed hits them alike."""
+    the machine's speed hits them alike. ``arrivals``: open loop instead, one client process
+    sending a request at each of these times (``run_arrivals``), one server."""
     assert len(urls) == 1 or clients == 1, "several servers take one client"
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(clients, initializer=_import_openai) as pool:
+    with ctx.Pool(1 if arrivals else clients, initializer=_import_openai) as pool:
         pool.map(time.sleep, [0.2] * clients, chunksize=1)      # every worker up
         t0 = time.perf_counter()
-        per = pool.starmap(run_client, [(urls, prompts, c, per_client, max_tokens) for c in range(clients)],
-                           chunksize=1)
-        wall = time.perf_counter() - t0
+        if arrivals:
+            done, wall = pool.apply(run_arrivals, (urls[0], prompts, arrivals, max_tokens))
+            per = [done]
+        else:
+            per = pool.starmap(run_client, [(urls, prompts, c, per_client, max_tokens) for c in range(clients)],
+                               chunksize=1)
+            wall = time.perf_counter() - t0
     results = []
     for k in range(len(urls)):
         done = [x for client in per for x in client if x[0] == k]
@@ -188,9 +238,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                    help="graft-serve's --prefill-chunk; 0 reads every prompt whole (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None, help="graft-serve's --max-model-len")
+    p.add_argument("--arrival-rate", type=float, default=None, metavar="R",
+                   help="open loop: --requests-per-cell requests arrive at Poisson times, R a second on "
+                        "average (the same schedule for every server), each streamed on its own; B is "
+                        "then the server's max batch (default: B closed-loop clients)")
+    p.add_argument("--seed", type=int, default=0, help="the arrival schedule's seed")
     p.add_argument("--json", default=None, metavar="OUT")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    if args.arrival_rate is not None and not args.arrival_rate > 0:
+        p.error(f"--arrival-rate must be > 0 (requests a second), got {args.arrival_rate}")
+    arrivals = poisson_arrivals(args.arrival_rate, args.requests_per_cell, args.seed) if args.arrival_rate else None
     try:
         served = {name: Served.parse(name) for name in args.methods.split(",")}
     except ValueError as e:
@@ -237,12 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         per_client = math.ceil(args.requests_per_cell / B)
         # B = 1: every method's server at once, the one client sending each request to each in
         # turn; B > 1: one method after the other (which first alternates with B)
-        groups = [methods] if B == 1 else [[m] for m in (methods if n % 2 == 0 else methods[::-1])]
+        groups = [methods] if B == 1 and not arrivals else [[m] for m in (methods if n % 2 == 0 else methods[::-1])]
         for group in groups:
             servers = [server(method, B) for method in group]
             with contextlib.ExitStack() as stack:
                 urls = [stack.enter_context(serving_in_thread(s, "bench")) + "/v1" for s, _ in servers]
-                results = load(urls, texts, B, per_client, args.max_tokens)
+                results = load(urls, texts, B, per_client, args.max_tokens, arrivals)
             for method, (scheduler, source), r in zip(group, servers, results):
                 r.update(batch=B, method=method, config=source, peak_batch=scheduler.peak_batch,
                          time_split=time_split(scheduler.metrics), **latencies(scheduler.metrics))
