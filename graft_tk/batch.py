@@ -28,12 +28,14 @@ and never grown: a longer request is refused, and a long request leaves nothing 
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Callable, Mapping, Sequence
 
 import torch
 
 from .config import GraftConfig
+from .drafting import waiting_rows
 from .errors import InputError
 from .methods import Method
 from .request import Request, RequestSpec
@@ -150,6 +152,8 @@ class Batch:
         """One decode step for every request (after the next chunk of a prompt being read); returns
         those that finished (their rows freed)."""
         started, self.last_step = [], None
+        if self.prefilling is None:
+            self._read_drafter()        # no prompt chunk this step: a new row's drafter reads instead
         if self.prefilling is not None:
             reading = self.prefilling
             if self.rows and reading.tokens_read + self.prefill_chunk < reading.total:
@@ -169,6 +173,20 @@ class Batch:
         for r in finished:
             self._remove(r)
         return started + finished
+
+    def _read_drafter(self) -> None:
+        """The first row waiting for its drafter's read (``drafting.waiting_rows``: it joined
+        rows that draft) reads its prompt, between steps, unless steps of this size never draft:
+        inside a step every row would wait for it, on top of a prompt chunk."""
+        drafter = self.runtime.drafter
+        if drafter is None or self.plan(len(self.rows)).max_depth == 0:
+            return
+        waiting = waiting_rows(drafter, [r.method.drafts for r in self.rows])
+        if any(waiting):
+            b = waiting.index(True)
+            t = time.perf_counter()
+            drafter.read(b, self.context[b], self.rows[b].length, self.runtime.ops)
+            self.rows[b].stats.seconds["draft"] += time.perf_counter() - t
 
     def plan(self, size: int) -> GraftConfig:
         """The config whose N, tau and D a step of ``size`` requests uses, from the policy."""

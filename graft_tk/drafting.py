@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -115,6 +115,25 @@ class Drafter(Protocol):
     def unread(self, row: int) -> bool:
         """Whether ``row``'s next drafting step first reads the window of a long prompt (a drafter
         that read nothing at ``start``): that step costs a prompt read on top of its forwards."""
+
+    def fresh(self, row: int) -> bool:
+        """Whether ``row``'s drafter has read nothing of its request yet (its next drafting step, or
+        ``read``, reads the prompt)."""
+
+    def read(self, row: int, context: Tensor, length: int, ops: Ops) -> bool:
+        """Read now what ``row``'s next drafting step would read first (its prompt, or its sink and
+        window; ``context`` [L] the row's committed tokens, ``length`` of them): a batch does it
+        between steps, so no step carries it. False: nothing to read."""
+
+
+def waiting_rows(drafter: Drafter, drafts: Sequence[bool]) -> list[bool]:
+    """Of a batch's rows (``drafts``: whose method drafts), those whose drafter has read nothing
+    while another's has: they do not draft until they have read their prompt, which the batch
+    does between steps, one row at a time (``Batch``), so no step of the running rows carries a
+    prompt read. Rows that all start together read in their first drafting step, as alone."""
+    fresh = [d and drafter.fresh(b) for b, d in enumerate(drafts)]
+    started = any(d and not f for d, f in zip(drafts, fresh))
+    return [f and started for f in fresh]
 
 
 def expand(request: DraftRequest, root_logits: Tensor, catch_up: int, frontier_forward: Callable,
@@ -221,6 +240,12 @@ class CachedDrafter:
     def unread(self, row: int) -> bool:
         return False        # read at ``start``
 
+    def fresh(self, row: int) -> bool:
+        return False
+
+    def read(self, row: int, context: Tensor, length: int, ops: Ops) -> bool:
+        return False
+
     def catch_up(self, counts: list[int], device) -> CatchUp:
         """The layout of one forward over ``counts[b]`` new entries of each row b, after its ``kv_len``."""
         kv_len, T = self.kv_len[:len(counts)], max(counts)
@@ -260,7 +285,10 @@ class ModelDrafter(CachedDrafter):
         self.skipped[dst] = self.skipped[src]
 
     def unread(self, row: int) -> bool:
-        return self.kv_len[row] == 0 and self.skipped[row] > 0     # a prompt longer than sink + window
+        return self.fresh(row) and self.skipped[row] > 0     # a prompt longer than sink + window
+
+    def fresh(self, row: int) -> bool:
+        return self.kv_len[row] == 0
 
     def start(self, row: int, prompt: Tensor, features: Tensor | None, ops: Ops) -> None:
         """Nothing runs here: the row's first drafting step reads the sink and the window
@@ -270,17 +298,24 @@ class ModelDrafter(CachedDrafter):
         self.skipped[row] = max(n - self.sink - self.window, 0) if self.window is not None else 0
         self.kv_len[row] = 0
 
-    def _read_prompts(self, request: DraftRequest, ends: list[int], ops: Ops) -> float:
-        """Each drafting row whose cache is empty reads its committed tokens up to the root, alone
-        (a prefill: torch's fused causal attention, no batch padding); returns the seconds spent."""
+    def read(self, row: int, context: Tensor, length: int, ops: Ops) -> bool:
+        """A row whose cache is empty reads its committed tokens up to the root (its sink and
+        window of them), alone (a prefill: torch's fused causal attention, no batch padding)."""
+        end = length - self.skipped[row]      # the root's slot + 1
+        if self.kv_len[row] or end <= 1:
+            return False
+        kept = context[self._context_index(torch.arange(end - 1, device=context.device), self.skipped[row])]
+        with self.net.cache_rows(row, row + 1):
+            self.step.prefill(kept[None], attention=ops.tree_attention)     # as the target's prefill
+        self.kv_len[row] = end - 1
+        return True
+
+    def _read_prompts(self, request: DraftRequest, ops: Ops) -> float:
+        """Each drafting row whose cache is empty reads now (``read``); returns the seconds spent."""
         t0 = time.perf_counter()
-        for b, (active, end) in enumerate(zip(request.active, ends)):
-            if active and self.kv_len[b] == 0 and end > 1:
-                at = torch.arange(end - 1, device=request.context.device)
-                kept = request.context[b, self._context_index(at, self.skipped[b])]
-                with self.net.cache_rows(b, b + 1):
-                    self.step.prefill(kept[None], attention=ops.tree_attention)     # as the target's prefill
-                self.kv_len[b] = end - 1
+        for b, (active, n) in enumerate(zip(request.active, request.length)):
+            if active:
+                self.read(b, request.context[b], n, ops)
         return time.perf_counter() - t0
 
     def _rewindow(self, request: DraftRequest) -> None:
@@ -301,7 +336,7 @@ class ModelDrafter(CachedDrafter):
         B, device, context = len(request.length), request.context.device, request.context
         self._rewindow(request)
         ends = [n - s for n, s in zip(request.length, self.skipped)]     # each row's root slot + 1
-        reading = self._read_prompts(request, ends, ops)
+        reading = self._read_prompts(request, ops)
         # catch-up: the committed tokens each drafting row's cache has not seen, the root last
         pending = [e - k if a else 0 for e, k, a in zip(ends, self.kv_len, request.active)]
         up = self.catch_up(pending, device)

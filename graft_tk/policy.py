@@ -8,7 +8,8 @@ fixed plan (the config as it is: no host read, no learning); ``Controllers`` cha
 
 * ``StepPolicy`` (below): drafting, its depth and the verify's width by expected gain per
   millisecond, with the device's cost model;
-* ``DraftGate`` (below): no drafting where the free sources already propose what the drafter would;
+* ``DraftGate`` (below): no drafting where the free sources already propose what the drafter would,
+  and a copy verified as far as it is likely;
 * the batch-size policy, N, tau and D by the number of requests in flight, is a choice of config
   (``graft_tk.batch.Batch.plan``), planned by these like any other.
 
@@ -274,7 +275,7 @@ class DraftGate(StepController):
     none, a match (>= 1) and a copy (>= 4: the answer is copying a span of the context; there a
     drafted node mostly displaces a copied one). Each situation has its arms: not drafting and
     drafting, and in a copy a third, ``WIDE``: not drafting, the verify as wide as the chain is
-    likely (its nodes with P(on the accepted path) >= ``WIDE_P``, between the config's budget N and
+    likely (its nodes with P(on the accepted path) >= ``WIDE_P``, between the plan's N and
     ``GraftConfig.copy_budget``; on 2k-token code edits a 16-node verify accepted 15 nodes a step:
     the budget, not the chain, stopped the copy). In each situation the gate keeps the committed
     tokens per second of every arm's steps (decayed; times measured online: they change the

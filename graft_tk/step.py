@@ -41,7 +41,7 @@ from torch import Tensor
 from .acceptance import node_probs, on_path_mask
 from .config import GraftConfig
 from .counters import StepCounters, counting, host_read
-from .drafting import DraftPool, DraftRequest
+from .drafting import DraftPool, DraftRequest, waiting_rows
 from .models.attention import AttentionPlan
 from .policy import Observation, RankedValues, StepController, StepPlan
 from .request import Request
@@ -139,6 +139,9 @@ def decode_step(runtime: Runtime, state: SpecState, controller: StepController, 
         drafter = runtime.drafter
         unread = tuple(drafter is not None and drafter.unread(b) for b in range(len(rows)))
         plan = StepPlan.fixed([r.method for r in rows], config, max(r.length for r in rows), unread)
+        if drafter is not None:     # a new row's drafter reads between the batch's steps
+            waiting = waiting_rows(drafter, plan.drafts)
+            plan = dataclasses.replace(plan, drafts=tuple(d and not w for d, w in zip(plan.drafts, waiting)))
         proposal = _propose(runtime, state, controller, rows, context, plan, clock)
         outcome = _verify_and_commit(runtime, state, rows, context, proposal, clock)
         seen = _settle(runtime, state, controller, rows, proposal, outcome, clock)

@@ -52,15 +52,35 @@ def test_requests_join_and_leave_between_steps(smollm2, self_drafter, prompts, a
 
 
 @pytest.mark.parametrize("method", ["ar", "graft"])
-def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode(smollm2, self_drafter, prompts, method):
+def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode(smollm2, self_drafter, prompts, method,
+                                                                        monkeypatch):
     """With prefill_chunk C a prompt that arrives while others decode is read by the next steps,
     C tokens each, in the row after theirs, and joins them once read; the others commit tokens meanwhile, one
-    of them leaves (the prompt's row moves down with it), and every answer is plain decoding's (fp32)."""
+    of them leaves (the prompt's row moves down with it), and every answer is plain decoding's (fp32).
+    A drafting batch's new row reads its drafter's prompt between steps, never inside one."""
+    import graft_tk.batch
+    stepping, reads, real_step = [False], [], graft_tk.batch.decode_step
+
+    def decode_step(*args):
+        stepping[0] = True
+        try:
+            return real_step(*args)
+        finally:
+            stepping[0] = False
+
+    def read(row, *args):         # the drafter's prompt reads: (row, inside a step?)
+        done = real_read(row, *args)
+        if done:
+            reads.append((row, stepping[0]))
+        return done
     long_ids = encode_prompt(smollm2, "\n\n".join(p.text for p in load_prompts("humaneval")[:3]), chat=True)
     assert len(long_ids) > 3 * 64                            # several chunks of 64
     want = [graft_tk.decode(smollm2, ids, max_new_tokens=n).tokens
             for ids, n in ((prompts[2], 24), (prompts[3], 4), (long_ids, 16))]
     batch = Engine(smollm2, self_drafter).batch(3, prefill_chunk=64)
+    real_read = batch.runtime.drafter.read
+    monkeypatch.setattr(graft_tk.batch, "decode_step", decode_step)
+    monkeypatch.setattr(batch.runtime.drafter, "read", read)
     with torch.inference_mode():
         staying = batch.add(prompts[2], method, max_new_tokens=24)     # nothing decodes: read at once
         leaving = batch.add(prompts[3], method, max_new_tokens=4)      # read by the next step
@@ -81,6 +101,9 @@ def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode(smollm2,
         while len(batch):
             finished += batch.step()
     assert [staying.out, leaving.out, reading.out] == want
+    # graft: the first two started together and read in their first step, as alone would; the
+    # one that joined rows already drafting read between two steps
+    assert reads == ([(0, True), (1, True), (1, False)] if method == "graft" else []), reads
 
 
 def test_a_prompt_being_read_can_be_cancelled_and_alone_is_read_whole(smollm2, prompts):

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the model's context, at most 4096)")
     p.add_argument("--prefill-chunk", type=at_least(1), default=DEFAULT_PREFILL_CHUNK, metavar="TOKENS",
                    help="a prompt arriving while other requests decode is read this many tokens per step, so their "
-                        "streams keep going while it is read (default: %(default)s)")
+                        "streams keep going while it is read, and its drafter reads between two steps, not in "
+                        "one (default: %(default)s)")
     p.add_argument("--policy-hold", type=at_least(0), default=8, metavar="STEPS",
                    help="a batch plans its N, tau and D for the most requests of the last STEPS steps, so the "
                         "gap between a client's requests does not switch the policy (default: %(default)s)")
