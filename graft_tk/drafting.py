@@ -314,7 +314,7 @@ class ModelDrafter(CachedDrafter):
         """Each drafting row whose cache is empty reads now (``read``); returns the seconds spent."""
         t0 = time.perf_counter()
         for b, (active, n) in enumerate(zip(request.active, request.length)):
-            if active:
+            if active and self.fresh(b):
                 self.read(b, request.context[b], n, ops)
         return time.perf_counter() - t0
 
