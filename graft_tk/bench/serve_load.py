@@ -146,9 +146,9 @@ def load(urls: list[str], prompts: list[list[dict]], clients: int, per_client: i
     the machine's speed hits them alike. ``arrivals``: open loop instead, one client process
     sending a request at each of these times (``run_arrivals``), one server."""
     assert len(urls) == 1 or clients == 1, "several servers take one client"
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1 if arrivals else clients, initializer=_import_openai) as pool:
-        pool.map(time.sleep, [0.2] * clients, chunksize=1)      # every worker up
+    ctx, workers = multiprocessing.get_context("spawn"), 1 if arrivals else clients
+    with ctx.Pool(workers, initializer=_import_openai) as pool:
+        pool.map(time.sleep, [0.2] * workers, chunksize=1)      # every worker up
         t0 = time.perf_counter()
         if arrivals:
             done, wall = pool.apply(run_arrivals, (urls[0], prompts, arrivals, max_tokens))
