@@ -247,14 +247,20 @@ def locked(path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def update(entries: list[Entry], path: Path | None = None, replace: bool = False) -> list[Entry]:
+def update(entries: list[Entry], path: Path | None = None, replace: bool = False,
+           drop_stale: bool = False) -> list[Entry]:
     """Merge ``entries`` into the cache file (or replace its contents) under the lock; returns the result.
+    ``drop_stale``: entries of the same kernel, bucket and GPU under other versions go (a probe
+    that refreshes itself, never one a user tuned).
 
     A corrupt cache is replaced after a warning: its entries were unusable anyway.
     """
     path = Path(path or cache_path())
+    slots = {(e.key.kernel, e.key.bucket, e.key.gpu, e.key.capability) for e in entries} if drop_stale else set()
     with locked(path):
-        merged = merge(entries) if replace else merge(read_entries(path, strict=False), entries)
+        kept = [] if replace else [e for e in read_entries(path, strict=False)
+                                   if (e.key.kernel, e.key.bucket, e.key.gpu, e.key.capability) not in slots]
+        merged = merge(kept, entries)
         write_entries(path, merged)
     log.info("autotune cache %s: %d entries", path, len(merged))
     return merged

@@ -38,6 +38,7 @@ from .config import GraftConfig
 from .drafting import waiting_rows
 from .errors import InputError
 from .methods import Method
+from .models import exact
 from .request import Request, RequestSpec
 from .runtime import Runtime
 from .sampling import Sampling
@@ -73,6 +74,8 @@ class Batch:
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                           or prefill_chunk < 1):
             raise InputError(f"prefill_chunk must be None or an int >= 1 (tokens), got {prefill_chunk!r}")
+        if runtime.exact and prefill_chunk is not None:     # every reading of a prompt runs the same forwards
+            prefill_chunk = -(-prefill_chunk // exact.PREFILL_GRID) * exact.PREFILL_GRID
         self.prefill_chunk = prefill_chunk
         self.prefilling: Prefill | None = None    # the prompt being read, in row len(self.rows)
         self.runtime, self.state, self.config = runtime, state, config

@@ -133,16 +133,19 @@ class StepForward:
         self.chunked_prefill = compile and not self._cuda_graphs and quantized(net) and amx_cpu()
 
     def prefill(self, tokens: Tensor, hidden_layers: tuple[int, ...] | None = None, attention=None,
-                progress: Callable[[int, int], None] | None = None, start: int = 0, stop: int | None = None):
+                progress: Callable[[int, int], None] | None = None, start: int = 0, stop: int | None = None,
+                grid: int | None = None):
         """A prompt ``tokens`` [B, n] into cache slots 0 .. n - 1: its last position's logits
         [B, 1, V] (and with ``hidden_layers``, every position's, as ``Transformer.forward``).
         Read EAGER_PREFILL_CHUNK tokens a forward (PREFILL_CHUNK, padded, where the compiled
         chunks run): a long prompt's activations stay small and ``progress(done, n)`` is called
         after each chunk. ``start`` / ``stop``: only positions start .. stop - 1, slots before
-        ``start`` already read (a prompt read over several calls; the logits are of stop - 1)."""
+        ``start`` already read (a prompt read over several calls; the logits are of stop - 1).
+        ``grid``: eager forwards end at multiples of it (exact mode: every reading of a prompt
+        runs the same forwards; ``start`` and ``stop`` are then multiples of it or the end)."""
         B, n = tokens.shape
         device = tokens.device
-        C = PREFILL_CHUNK if self.chunked_prefill else EAGER_PREFILL_CHUNK
+        C = PREFILL_CHUNK if self.chunked_prefill else grid or EAGER_PREFILL_CHUNK
         logits, hidden = None, []
         end = n if stop is None else stop
         for s in range(start, end, C):

@@ -56,7 +56,7 @@ def decode(target: Model, prompt: str | Sequence[int] | Sequence[dict] | torch.T
            seed: int | None = None, chat: bool = True, config: GraftConfig | None = None,
            engine: Engine | None = None, on_tokens: Callable[[list[int]], bool | None] | None = None,
            on_prefill: Callable[[int, int], None] | None = None,
-           backend: str = "auto", compile: bool | str = False) -> DecodeResult:
+           backend: str = "auto", compile: bool | str = False, exact: bool = False) -> DecodeResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` with ``target``.
 
     prompt: text, a conversation (``[{"role": "user", "content": ...}, ...]``, the chat template
@@ -89,25 +89,31 @@ def decode(target: Model, prompt: str | Sequence[int] | Sequence[dict] | torch.T
         (``graft_tk.compiled``: torch.compile, fullgraph; CUDA graphs on a GPU); "drafter": only a
         drafter model's. The first call per model and shape compiles, which takes minutes on a
         small CPU.
+    exact: every row of the target's forwards computes what it computes alone (a verify row what
+        plain decoding's 1-row forward does), so greedy output and seeded sampling equal ``ar``'s
+        with ``exact=True`` in bf16 too, whatever the tree or batch (``graft_tk.models.exact``;
+        CPU, eager; docs/exactness.md says what it costs).
     """
     m = as_method(method)
     ids = encode_prompt(target, prompt, chat)
     spec = RequestSpec.of(ids, m, max_new_tokens, Sampling(temperature, top_p, seed), target.config)
     if engine is None:
         config, config_source = resolve_config(target, drafter, m, config)
-        engine = Engine(target, drafter if m.drafts else None, config, backend, compile=compile)
+        engine = Engine(target, drafter if m.drafts else None, config, backend, compile=compile, exact=exact)
     else:
-        check_engine(engine, target, backend, compile)
+        check_engine(engine, target, backend, compile, exact)
         config_source = "engine"
     tokens, stats = engine.generate(spec, on_tokens, on_prefill)
     if m.speculates:
         stats["config"] = dataclasses.asdict(engine.config)
-    stats.update(config_source=config_source, compile=engine.runtime.compile.value, seed=spec.sampling.seed)
+    stats.update(config_source=config_source, compile=engine.runtime.compile.value, seed=spec.sampling.seed,
+                 exact=engine.runtime.exact)
     return DecodeResult(tokens=tokens, text=target.tokenizer.decode(tokens), stats=stats)
 
 
-def check_engine(engine: Engine, target: Model, backend: str, compile: bool | str) -> None:
-    """An engine passed to ``decode`` must be this target's, on the backend and compile scope asked for."""
+def check_engine(engine: Engine, target: Model, backend: str, compile: bool | str, exact: bool = False) -> None:
+    """An engine passed to ``decode`` must be this target's, on the backend and compile scope asked
+    for, and exact when exactness is asked for."""
     if engine.target is not target:
         raise InputError(f"engine was built for {engine.target.name}, not {target.name}; pass the same target")
     if backend != "auto" and resolve_backend(backend, target.device) != engine.runtime.ops.backend:
@@ -116,6 +122,8 @@ def check_engine(engine: Engine, target: Model, backend: str, compile: bool | st
     if Compile.of(compile) not in (Compile.OFF, engine.runtime.compile):
         raise InputError(f"the engine was built with compile={engine.runtime.compile.value!r}; build "
                          f"Engine(..., compile={compile!r})")
+    if exact and not engine.runtime.exact:
+        raise InputError("exact=True with an engine built without it; build Engine(..., exact=True)")
 
 
 def resolve_config(target: Model, drafter: Model | Eagle3Head | None, method: Method, config: GraftConfig | None

@@ -26,16 +26,18 @@ from .state import SpecState
 class Engine:
     def __init__(self, target: Model, drafter: Model | Eagle3Head | Drafter | None = None,
                  config: GraftConfig | None = None, backend: str = "auto", compile: bool | str | Compile = False,
-                 count_torch_ops: bool = False):
+                 count_torch_ops: bool = False, exact: bool = False):
         """``drafter``: a small Model with the target's tokenizer or an EAGLE-3 head (None: methods
         that draft are refused). ``compile``: True / "on": the step forwards of the target and a
         drafter model run compiled (``graft_tk.compiled``); "drafter": only a drafter model's.
         ``count_torch_ops``: every step counts the torch ops it dispatches (slow;
-        stats["torch_ops_per_step"])."""
+        stats["torch_ops_per_step"]). ``exact``: the target's forwards row-invariant, so every
+        method's greedy output and seeded sampling equal ``ar``'s (with ``exact=True``) in any
+        dtype and batch (``graft_tk.models.exact``; CPU, eager; changes the target in place)."""
         self.config = config = config or GraftConfig()
         self.drafter_model = drafter
         self.runtime = Runtime.build(target, drafter, backend, compile, count_torch_ops, config.drafter_window,
-                                     config.drafter_sink)
+                                     config.drafter_sink, exact)
         self.state = SpecState(config, self.runtime.ops, target.device, target.config.vocab_size,
                                fixed_width=self.runtime.compile.target)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -17,7 +19,7 @@ from .compiled import Compile, StepForward
 from .drafting import Drafter, ModelDrafter, drafter_cache_slots
 from .eagle3_drafter import Eagle3Drafter
 from .errors import InputError
-from .models import Model
+from .models import Model, exact
 from .models.eagle3 import Eagle3Head
 from .models.transformer import Transformer
 from .ops import Ops, ops_for
@@ -64,18 +66,31 @@ class Runtime:
     compile: Compile
     kv: KVPool
     count_torch_ops: bool = False   # every step counts the torch ops it dispatches (slow)
+    exact_rows: int = 0             # > 0: the target's forwards are row-invariant (models.exact), its
+                                    # attention's GEMMs padded to this many rows
+
+    @property
+    def exact(self) -> bool:
+        return self.exact_rows > 0
+
+    @property
+    def target_attention(self) -> Callable:
+        """The attention of the target's forwards (a drafter's run ``ops.tree_attention``)."""
+        return partial(exact.attention, min_rows=self.exact_rows) if self.exact else self.ops.tree_attention
 
     @classmethod
     def build(cls, target: Model, drafter: Model | Eagle3Head | Drafter | None = None, backend: str = "auto",
               compile: bool | str | Compile = False, count_torch_ops: bool = False, drafter_window: int | None = None,
-              drafter_sink: int = 4) -> "Runtime":
-        """``drafter_window`` / ``drafter_sink``: what of a prompt a drafter model reads (``ModelDrafter``)."""
+              drafter_sink: int = 4, exact: bool = False) -> "Runtime":
+        """``drafter_window`` / ``drafter_sink``: what of a prompt a drafter model reads (``ModelDrafter``);
+        ``exact``: the target's forwards row-invariant (``graft_tk.models.exact``)."""
         check_drafter(target, drafter)
         compile = Compile.of(compile)
         drafter = as_drafter(drafter, compile.drafter, drafter_window, drafter_sink)
         kv = KVPool(target.net, drafter)
-        return cls(target, StepForward(target.net, compile.target), drafter,
-                   ops_for(resolve_backend(backend, target.device), target.device), compile, kv, count_torch_ops)
+        ops = ops_for(resolve_backend(backend, target.device), target.device)
+        rows = make_exact(target, compile) if exact else 0
+        return cls(target, StepForward(target.net, compile.target), drafter, ops, compile, kv, count_torch_ops, rows)
 
     @property
     def device(self) -> torch.device:
@@ -130,3 +145,15 @@ def check_drafter(target: Model, drafter) -> None:
         raise InputError(f"drafter {drafter.name}'s tokenizer is not target {target.name}'s: {token!r} is id {theirs} "
                          f"in the drafter and {ours} in the target ({len(differ)} tokens differ); its proposals would "
                          "be other tokens than it means. Use a drafter of the target's family (the same tokenizer)")
+
+
+def make_exact(target: Model, compile: Compile) -> int:
+    """Make the target's forwards row-invariant (``graft_tk.models.exact``): its linear layers in
+    place; returns the rows its attention's GEMMs take. CPU and eager only, for now."""
+    if target.device.type != "cpu":
+        raise InputError(f"exact mode runs on a CPU for now (the target is on {target.device}): the GPU kernels do "
+                         "not yet give each row the same result at every width; decode without exact=True / --exact")
+    if compile.target:
+        raise InputError("exact mode runs the target eagerly: a compiled forward picks its own kernels per shape; "
+                         "pass compile=False / 'drafter' (or drop --compile) with exact=True / --exact")
+    return exact.enable(target.net)

@@ -42,6 +42,7 @@ from .acceptance import node_probs, on_path_mask
 from .config import GraftConfig
 from .counters import StepCounters, counting, host_read
 from .drafting import DraftPool, DraftRequest, waiting_rows
+from .models import exact
 from .models.attention import AttentionPlan
 from .policy import Observation, RankedValues, StepController, StepPlan
 from .request import Request
@@ -100,8 +101,9 @@ class Prefill:
         """Read the next ``tokens`` of the prompt (None: the rest) into the row's cache."""
         runtime, stop = self.runtime, self.total if tokens is None else min(self.total, self.tokens_read + tokens)
         with runtime.kv.rows(self.row, self.row + 1):
-            out = runtime.target_step.prefill(self.prompt, hidden_layers=self.taken, attention=runtime.ops.tree_attention,
-                                              progress=self.request.on_prefill, start=self.tokens_read, stop=stop)
+            out = runtime.target_step.prefill(self.prompt, hidden_layers=self.taken, attention=runtime.target_attention,
+                                              progress=self.request.on_prefill, start=self.tokens_read, stop=stop,
+                                              grid=exact.PREFILL_GRID if runtime.exact else None)
         self.logits, features = (out, None) if self.taken is None else out
         if features is not None:
             self.hidden.append(features[0])
@@ -263,7 +265,7 @@ def _verify_and_commit(runtime: Runtime, state: SpecState, rows: list[Request], 
     plan = AttentionPlan.tree(target_len, built.attn_mask(), max(r.target_len for r in rows) + N)
     layers = runtime.drafter.target_layers if runtime.drafter is not None else None
     out = runtime.target_step(built.tokens.clamp(min=0), positions, plan, hidden_layers=layers,   # padding runs as 0
-                              attention=ops.tree_attention)
+                              attention=runtime.target_attention)
     logits, features = (out, None) if layers is None else out
     choice = choose(logits, positions + 1, [r.sampling for r in rows])
     table = state.successors      # written for the rows whose method reads it

@@ -160,7 +160,7 @@ def test_compile_both_runs_every_method_eager_and_compiled(smollm2, monkeypatch)
     plan = bench.Plan(smollm2, None, GraftConfig(), ("ar", "retrieval"), prompts, 4, compile=both)
     assert plan.run_names == ("ar", "retrieval", "ar:compiled", "retrieval:compiled")
     calls = []
-    monkeypatch.setattr(bench, "cold_decode", lambda t, d, method, *a: calls.append((method, a[-1])) or ([], {}))
+    monkeypatch.setattr(bench, "cold_decode", lambda t, d, method, *a: calls.append((method, a[-2])) or ([], {}))
     for name in plan.run_names:
         plan.run_once(name, [1, 2], 4)
     assert calls == [("ar", Compile.OFF), ("retrieval", Compile.OFF), ("ar", Compile.ON), ("retrieval", Compile.ON)]

@@ -85,6 +85,7 @@ class Plan:
     # name -> config: each method but ar runs again as "<method>@name" with that config as it is
     # (e.g. a profile tuned on another workload), fixed unless the config carries a cost model
     configs: dict = field(default_factory=dict)
+    exact: bool = False      # every run (ar too) with row-invariant target forwards (graft_tk.models.exact)
     warmup_seconds: dict = field(default_factory=dict)   # per run name: the untimed first call (compiles)
 
     def __post_init__(self):
@@ -147,7 +148,7 @@ class Plan:
         else:
             config = self.config if run.adaptive else replace(self.config, cost=None)
         return cold_decode(self.target, self.drafter, run.method, config, ids, max_new_tokens, self.temperature,
-                           self.seed, self.top_p, run.compile)
+                           self.seed, self.top_p, run.compile, self.exact)
 
 
 @dataclass(frozen=True)
@@ -167,10 +168,11 @@ ADAPTIVE_MODES = {"off": (False,), "on": (True,), "both": (False, True)}   # --a
 
 def cold_decode(target: Model, drafter: Model | Eagle3Head | None, method: str, config: GraftConfig,
                 ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-                seed: int = 0, top_p: float = 1.0, compile: Compile = Compile.OFF) -> tuple[list[int], dict]:
+                seed: int = 0, top_p: float = 1.0, compile: Compile = Compile.OFF,
+                exact: bool = False) -> tuple[list[int], dict]:
     """One decode from a fresh engine (cold adjacency matrix, no state from earlier runs): (tokens, stats)."""
     r = decode(target, ids, method=method, drafter=drafter, config=config, max_new_tokens=max_new_tokens,
-               temperature=temperature, top_p=top_p, seed=seed, compile=compile)
+               temperature=temperature, top_p=top_p, seed=seed, compile=compile, exact=exact)
     return r.tokens, r.stats
 
 
@@ -412,7 +414,8 @@ def build_report(plan: Plan, rows: list[dict], args: dict | None = None) -> dict
                    "quant": plan.target.quant, "drafter_quant": getattr(plan.drafter, "quant", None),
                    "methods": list(plan.methods), "max_new_tokens": plan.max_new_tokens,
                    "temperature": plan.temperature, "top_p": plan.top_p, "seed": plan.seed, "repeats": plan.repeats,
-                   "compile": [c.value for c in plan.compile], "adaptive": list(plan.adaptive), "graft": asdict(plan.config),
+                   "compile": [c.value for c in plan.compile], "exact": plan.exact, "adaptive": list(plan.adaptive),
+                   "graft": asdict(plan.config),
                    "args": args or {}},
         "warmup_seconds": plan.warmup_seconds,
         "prompts": [{"id": p.id, "category": p.category} for p in plan.prompts],

@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                         "average (the same schedule for every server), each streamed on its own; B is "
                         "then the server's max batch (default: B closed-loop clients)")
     p.add_argument("--seed", type=int, default=0, help="the arrival schedule's seed")
+    p.add_argument("--exact", action="store_true",
+                   help="every server with graft-serve --exact (row-invariant target forwards: the answers equal "
+                        "ar's at every batch size in bf16 too)")
     p.add_argument("--json", default=None, metavar="OUT")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in served.values():   # untimed: the first forwards of each shape in a process are slow
         d = drafter if METHODS[s.method].drafts else None
         graft_tk.decode(target, encode_prompt(target, texts[0], chat=True), drafter=d, method=s.method,
-                        max_new_tokens=8)
+                        max_new_tokens=8, exact=args.exact)
 
     cost_models: dict[str, object] = {}     # method -> its config with the cost model measured once
 
@@ -286,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      for b, c in policy.items())
         scheduler = Scheduler(target, d, method, config, max_queue=256, metrics=Samples(), max_batch=B,
                               policy=policy, compile=served[name].compile, max_model_len=args.max_model_len,
-                              prefill_chunk=args.prefill_chunk or None)
+                              prefill_chunk=args.prefill_chunk or None, exact=args.exact)
         scheduler.warm_up()     # untimed, as graft-serve compiles before it opens its port
         return scheduler, source
 
@@ -324,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                 d = drafter if METHODS[s.method].drafts else None
                 t = time.perf_counter()
                 tokens[name] += len(graft_tk.decode(target, ids, drafter=d, method=s.method,
-                                                    max_new_tokens=args.max_tokens, compile=s.compile).tokens)
+                                                    max_new_tokens=args.max_tokens, compile=s.compile,
+                                                    exact=args.exact).tokens)
                 seconds[name] += time.perf_counter() - t
         single = {m: tokens[m] / seconds[m] for m in methods}
     lines = ["| B | method | requests/s | output tok/s | vs ar | p50 latency s | p95 latency s | first token p50 / "

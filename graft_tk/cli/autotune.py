@@ -241,8 +241,12 @@ def _config(config: dict) -> str:
 
 def _source_hashes(entries) -> dict[str, str]:
     from ..autotune import tuner
-    return {name: tuner.source_hash(tuner.get_tunable(name).kernel)
-            for name in {e.key.kernel for e in entries} if name in tuner.KERNELS}
+    from ..models import exact
+    names = {e.key.kernel for e in entries}
+    hashes = {name: tuner.source_hash(tuner.get_tunable(name).kernel) for name in names if name in tuner.KERNELS}
+    if exact.KERNEL in names:     # exact mode's probes (they refresh themselves)
+        hashes[exact.KERNEL] = exact.probe_source()
+    return hashes
 
 
 def _status_counts(entries) -> dict[str, int]:

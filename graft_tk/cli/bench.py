@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the step forwards compiled (torch.compile; minutes per model on a small CPU, in "
                         "the untimed warm-up); 'drafter': only the drafter model's; 'both' runs every method "
                         "eager and as '<method>:compiled' in one interleaved run")
+    p.add_argument("--exact", action="store_true",
+                   help="every run (ar too) with the target's forwards row-invariant: each method's output equals "
+                        "ar's in bf16 too (CPU, eager; graft_tk.models.exact); a run without it is the baseline")
     p.add_argument("--adaptive", nargs="?", const="on", default="off", choices=bench.ADAPTIVE_MODES,
                    help="the methods that prune choose drafting depth and budget per step from the device's cost "
                         "model (--profile's, else measured first, a minute or two); 'both' runs each such method "
@@ -175,7 +178,7 @@ def _run(args) -> dict:
                        + (args.max_new_tokens or p.max_new_tokens or bench.DEFAULT_NEW_TOKENS) for p in prompts), default=0)
     plan = bench.Plan(target, drafter, config, methods, prompts, args.max_new_tokens, args.temperature,
                       args.seed, args.repeats, make_anchors(target, drafter, anchors, gguf_source(args.model), context),
-                      top_p=args.top_p, compile=compile, adaptive=adaptive, configs=named_configs)
+                      top_p=args.top_p, compile=compile, adaptive=adaptive, configs=named_configs, exact=args.exact)
 
     total = len(prompts) * len(plan.run_names) * args.repeats
     with tqdm(total=total, desc="graft-bench", unit="run", disable=None, file=sys.stderr) as bar:

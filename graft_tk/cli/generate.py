@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=list(Compile),
                    help="run the step forwards compiled (torch.compile; the first call compiles, minutes on a "
                         "CPU); 'drafter': only the drafter model's")
+    p.add_argument("--exact", action="store_true",
+                   help="every row of the target's forwards computed as it is alone, so each method's output equals "
+                        "--method ar --exact's in bf16 too (CPU, eager; costs time: docs/exactness.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, stats) instead")
     p.add_argument("--verify-cache", action="store_true",
                    help="hash the converted folders of --model and its drafter (every quantization) against the "
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         result = decode(target, prompt, drafter=drafter, method=args.method, config=config,
                         max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
-                        on_tokens=streamer, on_prefill=_PrefillBar(), compile=args.compile)
+                        on_tokens=streamer, on_prefill=_PrefillBar(), compile=args.compile,
+                        exact=args.exact)
     except GraftError as e:
         print(f"graft-generate: error: {e}", file=sys.stderr)
         return 2

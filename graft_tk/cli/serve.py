@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the step forwards compiled (torch.compile), compiled at start-up before the port "
                         "opens (minutes on a CPU; inductor caches them for the next start); 'drafter': only the "
                         "drafter model's. On a CPU measure it first: docs/roofline.md (default: %(default)s)")
+    p.add_argument("--exact", action="store_true",
+                   help="every row of the target's forwards computed as it is alone: a request's output (greedy, "
+                        "or sampled with its seed) is the same alone or beside others, and equals --method ar "
+                        "--exact's (CPU, eager; costs time: docs/exactness.md)")
     p.add_argument("--grace", type=at_least(0, float), default=30.0,
                    help="seconds requests in flight may finish after SIGTERM (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         scheduler = Scheduler(target, drafter, method, config, args.max_queue, Metrics(), args.max_batch, policy,
                               hold=args.policy_hold, max_model_len=args.max_model_len, compile=args.compile,
-                              prefill_chunk=args.prefill_chunk)
+                              prefill_chunk=args.prefill_chunk, exact=args.exact)
     except GraftError as e:   # e.g. a batch of an EAGLE-3 head's requests
         print(f"graft-serve: error: {e}", file=sys.stderr)
         return 2
@@ -144,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     host, port = sock.getsockname()[:2]
     logging.getLogger("graft_tk.server").info(
-        "serving %s (%s, %s weights, config: %s, compile: %s, batches of up to %d%s, %d tokens per request) at "
-        "http://%s:%d/v1", name, method, target.quant, source, args.compile, args.max_batch,
+        "serving %s (%s, %s weights, config: %s, compile: %s%s, batches of up to %d%s, %d tokens per request) at "
+        "http://%s:%d/v1", name, method, target.quant, source, args.compile, ", exact" if args.exact else "",
+        args.max_batch,
         f"; by batch size {plan}" if plan else "", scheduler.max_model_len, host, port)
     # uvicorn handles SIGTERM / SIGINT while it runs and raises them again after its shutdown; these
     # handlers take that second delivery, so the process ends with the cleanup below and status 0.

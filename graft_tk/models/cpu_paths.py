@@ -130,12 +130,23 @@ def pick(paths: tuple[str, ...] | None, rows: int) -> str:
     return paths[width_slot(rows)]
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None, paths: tuple[str, ...] | None) -> Tensor:
-    """``F.linear`` of a float layer along its plan."""
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, paths: tuple[str, ...] | None,
+           min_rows: int = 1) -> Tensor:
+    """``F.linear`` of a float layer along its plan; a call of fewer than ``min_rows`` rows is
+    padded to them (exact mode: ``graft_tk.models.exact``)."""
+    rows = x.numel() // x.shape[-1]
+    if rows < min_rows:
+        y = linear(pad_rows(x.reshape(rows, -1), min_rows), weight, bias, paths)
+        return y[:rows].reshape(*x.shape[:-1], weight.shape[0])
     if pick(paths, x.numel() // x.shape[-1]) == "native":
         return F.linear(x, weight, bias)
     y = blocks(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
+
+
+def pad_rows(x: Tensor, rows: int) -> Tensor:
+    """x [r, K] with zero rows appended up to ``rows``."""
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
 
 
 def blocks(x: Tensor, weight: Tensor, scales: Tensor | None = None) -> Tensor:

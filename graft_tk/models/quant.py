@@ -101,6 +101,7 @@ class QuantLinear(nn.Module):
         self.cpu = qweight.device.type == "cpu" and (self.mode == "int8" or self.out_features % 16 == 0)
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self.paths: tuple[str, ...] | None = None    # per call width on a CPU (cpu_paths.apply)
+        self.min_rows = 1                             # calls narrower than this are padded (models.exact)
         if self.mode == "int8":
             self.register_buffer("qweight", _aligned(qweight.to(torch.int8)))
             self.register_buffer("scales", _aligned(scales.to(dtype)))
@@ -125,6 +126,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
+        if rows < self.min_rows:
+            x2 = cpu_paths.pad_rows(x2, self.min_rows)
         if self.cpu:
             x2 = x2.contiguous()
             if cpu_paths.pick(self.paths, x2.shape[0]) == "blocks":
@@ -141,7 +145,7 @@ class QuantLinear(nn.Module):
             else:
                 quant_matmul = reference.quant_matmul
             y = quant_matmul(x2, self.qweight, self.scales, self.zeros, self.group, self.bias)
-        return y.reshape(*lead, self.out_features)
+        return y[:rows].reshape(*lead, self.out_features)
 
     def dequantized(self) -> Tensor:
         """The float weight [N, K] this layer multiplies by (for tools that need it, e.g. EAGLE-3 training)."""

@@ -170,9 +170,10 @@ class Linear(nn.Linear):
     """``nn.Linear`` that on a CPU multiplies the way its plan says for each call width
     (``cpu_paths``: measured by graft-autotune; None, the default, is plain ``F.linear``)."""
     paths: tuple[str, ...] | None = None
+    min_rows: int = 1          # calls narrower than this are padded (exact mode: models.exact)
 
     def forward(self, x: Tensor) -> Tensor:
-        return cpu_paths.linear(x, self.weight, self.bias, self.paths)
+        return cpu_paths.linear(x, self.weight, self.bias, self.paths, self.min_rows)
 
 
 class Attention(nn.Module):
@@ -262,6 +263,7 @@ class Transformer(nn.Module):
         self.kv: Tensor | None = None  # [L, 2, B, Hkv, S, Dh], see setup_cache
         self.rope: RopeTable | None = None
         self.head_paths: tuple[str, ...] | None = None   # a tied head's CPU plan (cpu_paths.apply)
+        self.head_min_rows = 1                            # and its padded width (models.exact)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @property
@@ -354,7 +356,8 @@ class Transformer(nn.Module):
         """The LM head over the last layer's residual stream x [..., dim]: fp32 logits [..., V]."""
         h = self.norm(x)
         if self.output is None:
-            return cpu_paths.linear(h, self.tok_embeddings.weight, None, self.head_paths).float()
+            return cpu_paths.linear(h, self.tok_embeddings.weight, None, self.head_paths,
+                                    self.head_min_rows).float()
         return self.output(h).float()
 
 

@@ -170,11 +170,12 @@ class Scheduler:
 
     def __init__(self, target: Model, drafter, method: str, config, max_queue: int, metrics: Metrics,
                  max_batch: int = 1, policy: dict | None = None, hold: int = 8, max_model_len: int | None = None,
-                 compile: bool | str = False, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
+                 compile: bool | str = False, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+                 exact: bool = False):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.target, self.drafter, self.method, self.metrics = target, drafter, method, metrics
-        self.engine = Engine(target, drafter, config, compile=compile)
+        self.engine = Engine(target, drafter, config, compile=compile, exact=exact)
         # The KV caches are one pool of max_batch rows of max_model_len tokens (prompt + answer),
         # allocated here and never grown: a longer request is a 400, memory never creeps up.
         self.max_model_len = max_model_len or min(DEFAULT_MAX_MODEL_LEN, target.config.max_position_embeddings)

@@ -1,0 +1,269 @@
+"""Row-invariant forwards: every row of a forward computes bitwise what it computes alone.
+
+Why: a verify forward of N tree nodes must give each node the logits that plain decoding's 1-row
+forward gives at the same position, or greedy output and seeded sampling drift with the tree and
+the batch wherever the top two logits are closer than the rounding (often, in bf16). torch's CPU
+GEMMs choose their blocking, and so their order of summation, by the shape of the call, and
+attention sums a row's keys in an order that depends on where they sit in the cache. So exact mode
+makes every reduction a function of the row alone:
+
+  * **linear layers**: a GEMM's rows agree with each other from some number of rows on (each
+    CPU's library picks one kernel family for all wider calls). ``probe_min_rows`` measures that
+    width per layer shape on this CPU, and ``Linear`` pads a narrower call (a 1-token decode) to
+    it. A shape whose rows never agree is an error, never a silent fallback.
+  * **attention** (``attention``, the ``tree_attention`` op of exact mode): a query's keys are
+    taken in *logical* order (the cached prefix, then its visible block keys in slot order, which
+    for a tree are its ancestors by depth), so a tree node at position p and plain decoding's query
+    at p see the same sequence whatever slots hold it. Every sum then runs in a shape fixed by the
+    query alone: scores and values in blocks of ``BLOCK`` keys at fixed logical offsets, one GEMM
+    shape per block, and blocks (and the softmax's keys) summed pairwise in a tree over a power of
+    two, which keys past the query's own add exact zeros to.
+  * norms, RoPE, activations and residuals are per row already (checked by the tests).
+  * prompts: every prompt is read in the same forwards (cut at multiples of ``PREFILL_GRID``
+    tokens, however a server schedules its chunks), so the prompt's keys and values are the same
+    bits whatever method or batch decodes after it; a prompt chunk keeps torch's fused attention.
+
+The cost: a 1-row forward padded to the probed width, and attention in blocks (measured in
+docs/benchmarks). Off by default; ``exact=True`` / ``--exact``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ..reference.tree_attention import check_tree_attention_args
+from ..reference.tree_attention import tree_attention as reference_attention
+
+BLOCK = 64          # keys per block of a query's logical sequence (a GEMM's fixed reduction)
+PREFILL_GRID = 256  # exact mode cuts every prompt into forwards at multiples of this many tokens
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, prefix: Tensor, block: Tensor | None, keys: int,
+              scale: float | None = None, validate: bool = True, min_rows: int = 1) -> Tensor:
+    """``reference.tree_attention``'s contract (same arguments and result), with each query's
+    output a function of that query and its logical key sequence alone (see the module).
+
+    ``min_rows``: the GEMM rows from which this CPU's blocked matmuls agree row by row
+    (``probe_min_rows``); narrower calls are padded to it.
+    """
+    if validate:
+        check_tree_attention_args(q, k, v, prefix, block, keys)
+    B, Hq, T, D = q.shape
+    if block is None and T > 1:
+        # A prompt chunk: exact mode cuts every prompt into the same forwards (PREFILL_GRID), so
+        # its keys and values are the same bits whatever decodes it; torch's fused kernel reads it.
+        return reference_attention(q, k, v, prefix, block, keys, scale, validate=False)
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    L = T if block is None else block.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    dev = q.device
+    nb = -(-keys // BLOCK)
+    nk = nb * BLOCK
+    if nk > k.shape[2]:
+        raise ValueError(f"exact attention reads whole blocks of {BLOCK} keys: the cache holds {k.shape[2]} "
+                         f"slots, fewer than {nk}")
+
+    # ---- each query's logical sequence: idx[b, t, l] = the cache slot of its l-th visible key
+    ar = torch.arange(nk, device=dev)
+    if block is None:                                            # causal: the row's slots are in order
+        seen = (prefix[:, None] + torch.arange(1, T + 1, device=dev))[:, :, None]       # [B, T, 1]
+        idx = ar.expand(B, T, nk)
+    else:
+        rank = block.cumsum(-1) - 1                              # [B, T, L]: rank of a visible block key
+        seen = (prefix[:, None] + block.sum(-1))[:, :, None]
+        j = torch.arange(L, device=dev).expand(B, T, L)
+        to = torch.where(block, prefix[:, None, None] + rank, nk)              # invisible: the spare column
+        idx = torch.arange(nk + 1, device=dev).expand(B, T, nk + 1).clone()
+        idx.scatter_(2, to, prefix[:, None, None] + j)
+        idx = idx[:, :, :nk]
+    valid = ar < seen                                            # [B, T, nk]
+    idx = torch.where(valid, idx, 0)
+
+    # ---- scores of every cached key, one [rows, D] x [D, BLOCK] GEMM per block of slots
+    kf = k[:, :, :nk].float().view(B, Hkv, nb, BLOCK, D)
+    vf = v[:, :, :nk].float().view(B, Hkv, nb, BLOCK, D)
+    rows = q.float().view(B, Hkv, G, T, D).transpose(2, 3).reshape(B, Hkv, T * G, D)     # (t, g) rows
+    scores = _rows_matmul(rows[:, :, None], kf.transpose(-1, -2), min_rows)               # [B, Hkv, nb, TG, BLOCK]
+    scores = scores.permute(0, 1, 3, 2, 4).reshape(B, Hkv, T, G, nk) * scale
+
+    # ---- in logical order: softmax over the visible keys
+    s = scores.gather(4, idx[:, None, :, None, :].expand(B, Hkv, T, G, nk))
+    s = s.masked_fill(~valid[:, None, :, None, :], float("-inf"))
+    top = s.amax(-1, keepdim=True)
+    e = torch.exp(s - torch.where(torch.isfinite(top), top, 0))   # 0 at masked keys, also with no key
+    denom = _tree_sum(e, dim=4)                                  # [B, Hkv, T, G]
+
+    # ---- values: whole blocks of the cached prefix in place, the blocks from the row's own
+    # prefix on gathered per query (logical = slot before the prefix, so only those can differ)
+    base = prefix // BLOCK                                       # [B]: the first block a query gathers
+    in_place = (ar[None, :] < (base * BLOCK)[:, None])           # [B, nk]: logical blocks below base
+    e_main = e * in_place[:, None, None, None, :]
+    e_main = e_main.view(B, Hkv, T, G, nb, BLOCK).permute(0, 1, 4, 2, 3, 5).reshape(B, Hkv, nb, T * G, BLOCK)
+    main = _rows_matmul(e_main, vf, min_rows)                    # [B, Hkv, nb, TG, D]
+    main = main.view(B, Hkv, nb, T, G, D).permute(0, 1, 3, 4, 2, 5).contiguous()         # [B, Hkv, T, G, nb, D]
+
+    nt = (BLOCK - 1 + L - 1) // BLOCK + 1                        # logical blocks from base to the last key
+    tl = (base * BLOCK)[:, None] + torch.arange(nt * BLOCK, device=dev)                   # [B, nt * BLOCK]
+    inside = tl < nk
+    tl = tl.clamp(max=nk - 1)
+    slots = idx.gather(2, tl[:, None, :].expand(B, T, -1))       # [B, T, nt * BLOCK]
+    e_tail = e.gather(4, tl[:, None, None, None, :].expand(B, Hkv, T, G, -1))
+    e_tail = e_tail * inside[:, None, None, None, :]
+    v_tail = v[:, :, :nk].float().gather(2, slots.view(B, 1, T * nt * BLOCK, 1).expand(B, Hkv, -1, D))
+    v_tail = v_tail.view(B, Hkv, T, nt, BLOCK, D)
+    e_tail = e_tail.view(B, Hkv, T, G, nt, BLOCK).transpose(3, 4)                        # [B, Hkv, T, nt, G, BLOCK]
+    tail = _rows_matmul(e_tail, v_tail, min_rows).transpose(3, 4)                         # [B, Hkv, T, G, nt, D]
+    # onto the zeros of main's blocks >= base; a tail block past the keys is all zeros (clamped in)
+    at = (base[:, None] + torch.arange(nt, device=dev)).clamp(max=nb - 1)
+    main.scatter_add_(4, at.view(B, 1, 1, 1, nt, 1).expand(B, Hkv, T, G, nt, D), tail)
+    num = _tree_sum(main, dim=4)                                 # [B, Hkv, T, G, D]
+    out = num / torch.where(denom > 0, denom, 1)[..., None]
+    return out.transpose(2, 3).reshape(B, Hq, T, D).to(q.dtype)
+
+
+def _rows_matmul(a: Tensor, b: Tensor, min_rows: int) -> Tensor:
+    """a @ b (batched), a's rows padded with zeros to ``min_rows`` first (its GEMMs agree from there)."""
+    rows = a.shape[-2]
+    if rows >= min_rows:
+        return a @ b
+    pad = torch.zeros(*a.shape[:-2], min_rows - rows, a.shape[-1], dtype=a.dtype, device=a.device)
+    return (torch.cat([a, pad], dim=-2) @ b)[..., :rows, :]
+
+
+def _tree_sum(x: Tensor, dim: int) -> Tensor:
+    """Sum over ``dim`` pairwise, halving its length rounded up to a power of two (the missing
+    entries are zeros, never added): appending exact zeros does not change the result, so a
+    query's sum is the same whatever the call's width."""
+    x = x.movedim(dim, -1)
+    while x.shape[-1] > 1:
+        n = x.shape[-1]
+        half = 1 << (n - 1).bit_length() - 1                     # the padded length's half
+        head = x[..., :half].clone()
+        head[..., :n - half] += x[..., half:]
+        x = head
+    return x[..., 0]
+
+
+# ------------------------------------------------------------------ probing this CPU's GEMMs
+
+KERNEL = "exact_rows"    # probe results in the autotune cache: {"min_rows": m}, 0 where rows never agree
+PROBE_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)   # widths a probe calls
+MAX_MIN_ROWS = 64        # padding every narrower call to more would cost more than speculation gains
+_probed: dict[str, int | None] = {}
+
+
+def heavy(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> Tensor:
+    """Values 2^-12 .. 2^12 in magnitude with 8-bit mantissas (exact in bf16), random signs."""
+    mantissa = 1 + torch.randint(0, 128, shape, generator=gen) / 128
+    sign = torch.randint(0, 2, shape, generator=gen) * 2 - 1
+    return (sign * mantissa * torch.exp2(torch.randint(-12, 13, shape, generator=gen).float())).to(dtype)
+
+
+def cancelling(n: int, k: int, rows: int, dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """A weight [n, k] and inputs [rows, k] whose every product sums to nothing but rounding error:
+    x = (u, u, r), w = (v, -v, s) over the halves of k. Any change in the order of summation
+    changes almost every output (a random input shows one flip in ~10^4, after bf16 rounding)."""
+    gen = torch.Generator().manual_seed(seed)
+    h = k // 2
+    v, u = heavy((n, h), gen, dtype), heavy((rows, h), gen, dtype)
+    return (torch.cat([v, -v, heavy((n, k - 2 * h), gen, dtype)], 1),
+            torch.cat([u, u, heavy((rows, k - 2 * h), gen, dtype)], 1))
+
+
+def probe_min_rows(f: Callable[[Tensor], Tensor], x: Tensor) -> int | None:
+    """The fewest rows from which ``f`` (a row-wise map, e.g. a linear layer) gives every row of
+    ``x`` [R, ...] bitwise what the widest call gives it, at each of PROBE_ROWS up to R and with
+    the rows reversed; None when not even the widest calls agree."""
+    full = f(x)
+    if not torch.equal(f(x.flip(0)).flip(0), full):
+        return None
+    found = None
+    for rows in reversed([r for r in PROBE_ROWS if r <= x.shape[0]]):
+        if not torch.equal(f(x[:rows]), full[:rows]):
+            break
+        found = rows
+    return found
+
+
+def linear_min_rows(fmt: str, n: int, k: int, dtype: torch.dtype) -> int | None:
+    """``probe_min_rows`` of a linear layer of this format and shape on this CPU (torch's kernel
+    choice depends on shapes, never on values: the probe's weight is ``cancelling``'s)."""
+    def probe() -> int | None:
+        from .quant import QuantLinear
+        w, x = cancelling(n, k, PROBE_ROWS[-1], dtype)
+        if fmt in ("int8", "int4"):
+            layer = QuantLinear.from_float(w, None, fmt, dtype)
+            return probe_min_rows(layer, x)
+        return probe_min_rows(lambda a: torch.nn.functional.linear(a, w.to(a.dtype)), x)
+    return _cached(f"linear,format={fmt},n={n},k={k}", probe)
+
+
+def attention_min_rows(head_dim: int) -> int | None:
+    """``probe_min_rows`` of the two GEMM shapes exact ``attention`` runs per block of keys (fp32)."""
+    def probe() -> int | None:
+        found = []
+        for depth, width in ((head_dim, BLOCK), (BLOCK, head_dim)):
+            w, x = cancelling(3 * width, depth, PROBE_ROWS[-1], torch.float32, seed=depth)
+            b = w.view(3, width, depth).transpose(1, 2)                  # [3, depth, width]: three GEMMs
+            found.append(probe_min_rows(lambda a: (a[None] @ b).transpose(0, 1), x))
+        return None if None in found else max(found)
+    return _cached(f"attention,head_dim={head_dim},block={BLOCK}", probe)
+
+
+def _cached(bucket: str, probe: Callable[[], int | None]) -> int | None:
+    """A probe's result: this process's, the autotune cache's (same CPU, threads, versions and
+    this file), or probed now and stored there."""
+    import time
+    import warnings
+
+    from ..autotune import cache
+
+    if bucket not in _probed:
+        key = cache.Key.make(KERNEL, bucket, probe_source(), cache.environment())
+        with warnings.catch_warnings():         # a stale entry is probed again and replaced, never used
+            warnings.simplefilter("ignore", cache.AutotuneWarning)
+            entry = cache.lookup(key)
+        if entry is not None and isinstance(entry.config.get("min_rows"), int):
+            _probed[bucket] = entry.config["min_rows"] or None
+        else:
+            t = time.perf_counter()
+            found = probe()
+            ms = (time.perf_counter() - t) * 1e3
+            cache.update([cache.Entry(key, {"min_rows": found or 0}, ms, None, cache.now())], drop_stale=True)
+            _probed[bucket] = found
+    return _probed[bucket]
+
+
+def probe_source() -> str:
+    """The hash of this module's source its probe results are stored under (an edit re-probes)."""
+    import sys
+
+    from ..autotune.tuner import source_hash
+    return source_hash(sys.modules[__name__])
+
+
+def enable(net: torch.nn.Module) -> int:
+    """Make ``net``'s forwards row-invariant on this CPU: every linear layer takes one path at every
+    width (``native``) and pads calls narrower than its probed ``min_rows``. Returns the rows the
+    attention's GEMMs need (``attention(min_rows=)``). Raises InputError naming a layer whose
+    rows do not agree. The probes take seconds per layer shape, once per CPU (autotune cache)."""
+    from ..errors import InputError
+    from . import cpu_paths
+
+    def check(name: str, found: int | None) -> int:
+        if found is None or found > MAX_MIN_ROWS:
+            why = "not even its widest calls agree" if found is None else f"only from {found} rows on"
+            raise InputError(f"exact mode: on this CPU {name} does not give a row the same result at every call "
+                             f"width ({why}); decode without exact=True / --exact (docs/exactness.md)")
+        return found
+
+    dtype = net.compute_weight.dtype
+    for holder, attr, fmt, n, k in cpu_paths.layers(net):
+        setattr(holder, attr, None)
+        rows = check(f"a {fmt} linear layer {k} -> {n}", linear_min_rows(fmt, n, k, dtype))
+        setattr(holder, "head_min_rows" if attr == "head_paths" else "min_rows", rows)
+    return check("attention's blocked matmul", attention_min_rows(net.config.head_dim))
