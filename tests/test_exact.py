@@ -208,3 +208,35 @@ def test_decode_refuses_an_engine_built_without_exact(smollm2_bf16):
     engine = graft_tk.Engine(smollm2_bf16, None)
     with pytest.raises(InputError, match="exact=True"):
         graft_tk.decode(smollm2_bf16, "hi", engine=engine, exact=True, max_new_tokens=2)
+
+
+def test_a_seeded_request_gets_the_same_text_on_a_warm_exact_server_alone_and_beside_others(exact_pair):
+    """graft-serve --exact --max-batch 4, bf16: a seeded sampled request returns plain sampling's
+    text (ar, same seed), twice on a warm server and while three other requests share its steps."""
+    import concurrent.futures
+
+    import openai
+
+    from graft_tk.server.app import serving_in_thread
+    from graft_tk.server.metrics import Metrics
+    from graft_tk.server.scheduler import Scheduler
+
+    target, drafter = exact_pair
+    prompt = "Once upon a time"
+    plain = graft_tk.decode(target, prompt, method="ar", max_new_tokens=24, temperature=1.0, top_p=0.95, seed=11,
+                            chat=False, exact=True).text
+    scheduler = Scheduler(target, drafter, "graft", graft_tk.GraftConfig(), 64, Metrics(), 4, max_model_len=1024,
+                          exact=True)
+    with serving_in_thread(scheduler, "smollm2-135m") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        ask = dict(model="smollm2-135m", prompt=prompt, max_tokens=24, temperature=1.0, top_p=0.95, seed=11)
+        assert client.completions.create(**ask).choices[0].text == plain
+        assert client.completions.create(**ask).choices[0].text == plain
+        others = ["The sea is", "def fib(n):", "Three colours:"]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            mine = pool.submit(lambda: client.completions.create(**ask).choices[0].text)
+            rest = [pool.submit(lambda p=p: client.completions.create(**{**ask, "prompt": p, "seed": 5}))
+                    for p in others]
+            assert mine.result(timeout=300) == plain
+            assert all(r.result(timeout=300).choices[0].text for r in rest)
+        assert scheduler.peak_batch > 1

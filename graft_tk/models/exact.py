@@ -15,9 +15,10 @@ makes every reduction a function of the row alone:
     taken in *logical* order (the cached prefix, then its visible block keys in slot order, which
     for a tree are its ancestors by depth), so a tree node at position p and plain decoding's query
     at p see the same sequence whatever slots hold it. Every sum then runs in a shape fixed by the
-    query alone: scores and values in blocks of ``BLOCK`` keys at fixed logical offsets, one GEMM
-    shape per block, and blocks (and the softmax's keys) summed pairwise in a tree over a power of
-    two, which keys past the query's own add exact zeros to.
+    query alone: keys in blocks of ``BLOCK`` at fixed logical offsets (a block below the row's
+    cached prefix is read in place, the last ones gathered per query), one GEMM shape for a block's
+    scores and one for its values, its softmax sum pairwise, and the blocks summed pairwise in a
+    tree over a power of two, which blocks past the query's own add exact zeros to.
   * norms, RoPE, activations and residuals are per row already (checked by the tests).
   * prompts: every prompt is read in the same forwards (cut at multiples of ``PREFILL_GRID``
     tokens, however a server schedules its chunks), so the prompt's keys and values are the same
@@ -57,7 +58,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, prefix: Tensor, block: Tensor | N
         # its keys and values are the same bits whatever decodes it; torch's fused kernel reads it.
         return reference_attention(q, k, v, prefix, block, keys, scale, validate=False)
     Hkv = k.shape[1]
-    G = Hq // Hkv
+    G, R = Hq // Hkv, T * Hq // Hkv                              # query heads per kv head; GEMM rows (t, g)
     L = T if block is None else block.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     dev = q.device
@@ -67,62 +68,63 @@ def attention(q: Tensor, k: Tensor, v: Tensor, prefix: Tensor, block: Tensor | N
         raise ValueError(f"exact attention reads whole blocks of {BLOCK} keys: the cache holds {k.shape[2]} "
                          f"slots, fewer than {nk}")
 
-    # ---- each query's logical sequence: idx[b, t, l] = the cache slot of its l-th visible key
+    # ---- which slots each query sees, and its logical sequence: idx[b, t, l] = slot of its l-th key
     ar = torch.arange(nk, device=dev)
-    if block is None:                                            # causal: the row's slots are in order
+    if block is None:                                            # one decoded token: its row's slots in order
         seen = (prefix[:, None] + torch.arange(1, T + 1, device=dev))[:, :, None]       # [B, T, 1]
+        visible = ar < seen
         idx = ar.expand(B, T, nk)
     else:
-        rank = block.cumsum(-1) - 1                              # [B, T, L]: rank of a visible block key
         seen = (prefix[:, None] + block.sum(-1))[:, :, None]
-        j = torch.arange(L, device=dev).expand(B, T, L)
-        to = torch.where(block, prefix[:, None, None] + rank, nk)              # invisible: the spare column
+        rel = ar - prefix[:, None]                               # [B, nk]: slot - prefix
+        bits = block.gather(2, rel.clamp(0, L - 1)[:, None, :].expand(B, T, nk))
+        visible = (rel < 0)[:, None, :] | (((rel >= 0) & (rel < L))[:, None, :] & bits)
+        to = torch.where(block, prefix[:, None, None] + block.cumsum(-1) - 1, nk)         # a visible key's rank
         idx = torch.arange(nk + 1, device=dev).expand(B, T, nk + 1).clone()
-        idx.scatter_(2, to, prefix[:, None, None] + j)
+        idx.scatter_(2, to, (prefix[:, None, None] + torch.arange(L, device=dev)).expand(B, T, L))   # spare: invisible
         idx = idx[:, :, :nk]
-    valid = ar < seen                                            # [B, T, nk]
-    idx = torch.where(valid, idx, 0)
 
-    # ---- scores of every cached key, one [rows, D] x [D, BLOCK] GEMM per block of slots
+    # ---- every cached key in place, one [rows, D] x [D, BLOCK] GEMM per block of slots
+    rows = q.float().view(B, Hkv, G, T, D).transpose(2, 3).reshape(B, Hkv, 1, R, D)
     kf = k[:, :, :nk].float().view(B, Hkv, nb, BLOCK, D)
+    s = _rows_matmul(rows.expand(B, Hkv, nb, R, D), kf.transpose(-1, -2), min_rows).view(B, Hkv, nb, T, G, BLOCK)
+    s = (s * scale).masked_fill(~visible.view(B, T, nb, BLOCK).transpose(1, 2)[:, None, :, :, None, :],
+                                float("-inf"))
+    top = s.amax(dim=(2, 5), keepdim=True)                       # the max of a query's keys: the same in any order
+    top = torch.where(torch.isfinite(top), top, 0)               # a query that sees no key: all zeros below
+    # Blocks below the row's prefix // BLOCK hold keys in logical order already: summed in place.
+    base = prefix // BLOCK                                       # [B]
+    below = (torch.arange(nb, device=dev)[None, :] < base[:, None])[:, None, :, None, None, None]
+    e = torch.exp(s - top) * below                               # [B, Hkv, nb, T, G, BLOCK]
     vf = v[:, :, :nk].float().view(B, Hkv, nb, BLOCK, D)
-    rows = q.float().view(B, Hkv, G, T, D).transpose(2, 3).reshape(B, Hkv, T * G, D)     # (t, g) rows
-    scores = _rows_matmul(rows[:, :, None], kf.transpose(-1, -2), min_rows)               # [B, Hkv, nb, TG, BLOCK]
-    scores = scores.permute(0, 1, 3, 2, 4).reshape(B, Hkv, T, G, nk) * scale
+    num = _rows_matmul(e.view(B, Hkv, nb, R, BLOCK), vf, min_rows)                       # [B, Hkv, nb, R, D]
+    den = _tree_sum(e, dim=5).view(B, Hkv, nb, R)
 
-    # ---- in logical order: softmax over the visible keys
-    s = scores.gather(4, idx[:, None, :, None, :].expand(B, Hkv, T, G, nk))
-    s = s.masked_fill(~valid[:, None, :, None, :], float("-inf"))
-    top = s.amax(-1, keepdim=True)
-    e = torch.exp(s - torch.where(torch.isfinite(top), top, 0))   # 0 at masked keys, also with no key
-    denom = _tree_sum(e, dim=4)                                  # [B, Hkv, T, G]
-
-    # ---- values: whole blocks of the cached prefix in place, the blocks from the row's own
-    # prefix on gathered per query (logical = slot before the prefix, so only those can differ)
-    base = prefix // BLOCK                                       # [B]: the first block a query gathers
-    in_place = (ar[None, :] < (base * BLOCK)[:, None])           # [B, nk]: logical blocks below base
-    e_main = e * in_place[:, None, None, None, :]
-    e_main = e_main.view(B, Hkv, T, G, nb, BLOCK).permute(0, 1, 4, 2, 3, 5).reshape(B, Hkv, nb, T * G, BLOCK)
-    main = _rows_matmul(e_main, vf, min_rows)                    # [B, Hkv, nb, TG, D]
-    main = main.view(B, Hkv, nb, T, G, D).permute(0, 1, 3, 4, 2, 5).contiguous()         # [B, Hkv, T, G, nb, D]
-
+    # ---- the blocks from base on, in logical order: keys gathered per query
     nt = (BLOCK - 1 + L - 1) // BLOCK + 1                        # logical blocks from base to the last key
-    tl = (base * BLOCK)[:, None] + torch.arange(nt * BLOCK, device=dev)                   # [B, nt * BLOCK]
-    inside = tl < nk
-    tl = tl.clamp(max=nk - 1)
-    slots = idx.gather(2, tl[:, None, :].expand(B, T, -1))       # [B, T, nt * BLOCK]
-    e_tail = e.gather(4, tl[:, None, None, None, :].expand(B, Hkv, T, G, -1))
-    e_tail = e_tail * inside[:, None, None, None, :]
-    v_tail = v[:, :, :nk].float().gather(2, slots.view(B, 1, T * nt * BLOCK, 1).expand(B, Hkv, -1, D))
-    v_tail = v_tail.view(B, Hkv, T, nt, BLOCK, D)
-    e_tail = e_tail.view(B, Hkv, T, G, nt, BLOCK).transpose(3, 4)                        # [B, Hkv, T, nt, G, BLOCK]
-    tail = _rows_matmul(e_tail, v_tail, min_rows).transpose(3, 4)                         # [B, Hkv, T, G, nt, D]
-    # onto the zeros of main's blocks >= base; a tail block past the keys is all zeros (clamped in)
-    at = (base[:, None] + torch.arange(nt, device=dev)).clamp(max=nb - 1)
-    main.scatter_add_(4, at.view(B, 1, 1, 1, nt, 1).expand(B, Hkv, T, G, nt, D), tail)
-    num = _tree_sum(main, dim=4)                                 # [B, Hkv, T, G, D]
-    out = num / torch.where(denom > 0, denom, 1)[..., None]
-    return out.transpose(2, 3).reshape(B, Hq, T, D).to(q.dtype)
+    logical = (base * BLOCK)[:, None] + torch.arange(nt * BLOCK, device=dev)              # [B, nt * BLOCK]
+    valid = (logical[:, None, :] < seen) & (logical < nk)[:, None, :]                    # [B, T, nt * BLOCK]
+    slots = idx.gather(2, logical.clamp(max=nk - 1)[:, None, :].expand(B, T, -1))
+    # a key's score is the same bits wherever it sits (the GEMMs agree row by row): read from s
+    at_score = (((slots // BLOCK) * T + torch.arange(T, device=dev)[None, :, None])[:, :, None, :] * G
+                + torch.arange(G, device=dev)[None, None, :, None]) * BLOCK + (slots % BLOCK)[:, :, None, :]
+    s_tail = s.view(B, Hkv, -1).gather(2, at_score.view(B, 1, -1).expand(B, Hkv, -1))
+    s_tail = s_tail.view(B, Hkv, T, G, nt, BLOCK).transpose(3, 4)                          # [B, Hkv, T, nt, G, BLOCK]
+    s_tail = s_tail.masked_fill(~valid.view(B, 1, T, nt, 1, BLOCK), float("-inf"))
+    e_tail = torch.exp(s_tail - top.view(B, Hkv, T, 1, G, 1))
+    pick = (torch.arange(B * Hkv, device=dev).view(B, Hkv, 1) * nk + slots.view(B, 1, -1)).flatten()
+    v_tail = vf.reshape(-1, D).index_select(0, pick).view(B, Hkv, T, nt, BLOCK, D)      # whole rows of D
+    num_tail = _rows_matmul(e_tail, v_tail, min_rows)            # [B, Hkv, T, nt, G, D]
+    den_tail = _tree_sum(e_tail, dim=5)                          # [B, Hkv, T, nt, G]
+
+    # ---- onto the zeros of blocks >= base (a tail block past the keys is all zeros: clamped in),
+    # then every block summed pairwise
+    at = (base[:, None] + torch.arange(nt, device=dev)).clamp(max=nb - 1).view(B, 1, nt, 1)
+    num.scatter_add_(2, at[..., None].expand(B, Hkv, nt, R, D), num_tail.transpose(2, 3).reshape(B, Hkv, nt, R, D))
+    den.scatter_add_(2, at.expand(B, Hkv, nt, R), den_tail.transpose(2, 3).reshape(B, Hkv, nt, R))
+    num, den = _tree_sum(num, dim=2), _tree_sum(den, dim=2)     # [B, Hkv, R, D], [B, Hkv, R]
+    out = num / torch.where(den > 0, den, 1)[..., None]
+    return out.view(B, Hkv, T, G, D).transpose(2, 3).reshape(B, Hq, T, D).to(q.dtype)
 
 
 def _rows_matmul(a: Tensor, b: Tensor, min_rows: int) -> Tensor:
@@ -138,14 +140,13 @@ def _tree_sum(x: Tensor, dim: int) -> Tensor:
     """Sum over ``dim`` pairwise, halving its length rounded up to a power of two (the missing
     entries are zeros, never added): appending exact zeros does not change the result, so a
     query's sum is the same whatever the call's width."""
-    x = x.movedim(dim, -1)
-    while x.shape[-1] > 1:
-        n = x.shape[-1]
+    while x.shape[dim] > 1:
+        n = x.shape[dim]
         half = 1 << (n - 1).bit_length() - 1                     # the padded length's half
-        head = x[..., :half].clone()
-        head[..., :n - half] += x[..., half:]
+        head = x.narrow(dim, 0, half).clone()
+        head.narrow(dim, 0, n - half).add_(x.narrow(dim, half, n - half))
         x = head
-    return x[..., 0]
+    return x.squeeze(dim)
 
 
 # ------------------------------------------------------------------ probing this CPU's GEMMs
