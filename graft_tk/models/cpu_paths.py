@@ -138,7 +138,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, paths: tuple[str, ...
     if rows < min_rows:
         y = linear(pad_rows(x.reshape(rows, -1), min_rows), weight, bias, paths)
         return y[:rows].reshape(*x.shape[:-1], weight.shape[0])
-    if pick(paths, x.numel() // x.shape[-1]) == "native":
+    if pick(paths, rows) == "native":
         return F.linear(x, weight, bias)
     y = blocks(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias

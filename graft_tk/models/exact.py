@@ -204,13 +204,18 @@ def linear_min_rows(fmt: str, n: int, k: int, dtype: torch.dtype) -> int | None:
 
 
 def attention_min_rows(head_dim: int) -> int | None:
-    """``probe_min_rows`` of the two GEMM shapes exact ``attention`` runs per block of keys (fp32)."""
+    """``probe_min_rows`` of the two GEMM shapes exact ``attention`` runs per block of keys (fp32);
+    None too when a column's result depends on its place (``attention`` reads a key's score from
+    wherever its block GEMM computed it)."""
     def probe() -> int | None:
         found = []
         for depth, width in ((head_dim, BLOCK), (BLOCK, head_dim)):
             w, x = cancelling(3 * width, depth, PROBE_ROWS[-1], torch.float32, seed=depth)
             b = w.view(3, width, depth).transpose(1, 2)                  # [3, depth, width]: three GEMMs
             found.append(probe_min_rows(lambda a: (a[None] @ b).transpose(0, 1), x))
+            turn = torch.randperm(width, generator=torch.Generator().manual_seed(width))
+            if not torch.equal((x[None] @ b[:, :, turn]), (x[None] @ b)[:, :, turn]):
+                found.append(None)
         return None if None in found else max(found)
     return _cached(f"attention,head_dim={head_dim},block={BLOCK}", probe)
 
