@@ -38,7 +38,7 @@ from torch import Tensor
 from ..reference.tree_attention import check_tree_attention_args
 from ..reference.tree_attention import tree_attention as reference_attention
 
-BLOCK = 64          # keys per block of a query's logical sequence (a GEMM's fixed reduction)
+BLOCK = 128         # keys per block of a query's logical sequence (a GEMM's fixed reduction)
 PREFILL_GRID = 256  # exact mode cuts every prompt into forwards at multiples of this many tokens
 
 
