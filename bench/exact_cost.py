@@ -21,7 +21,7 @@ from graft_tk.models import cpu_paths, exact
 from graft_tk.models.attention import AttentionPlan
 
 
-def chain_tree(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def random_tree(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A random tree of n nodes in depth order: its ancestor-or-self mask [n, n] and depths."""
     mask = torch.zeros(n, n, dtype=torch.bool)
     for i in range(n):
@@ -54,7 +54,7 @@ def main() -> None:
         return partial(exact.attention, min_rows=rows) if on else None
 
     gen = torch.Generator().manual_seed(0)
-    mask, depth = chain_tree(args.nodes, gen)
+    mask, depth = random_tree(args.nodes, gen)
     print(f"{model.name} {args.dtype}, {torch.get_num_threads()} threads; exact mode pads linear calls to "
           f"{sorted(set(exact_rows.values()) | {exact_head})} rows, attention GEMMs to {rows}")
     print("| context | forward | plain ms | exact ms | exact / plain |")

@@ -199,7 +199,7 @@ def linear_min_rows(fmt: str, n: int, k: int, dtype: torch.dtype) -> int | None:
         if fmt in ("int8", "int4"):
             layer = QuantLinear.from_float(w, None, fmt, dtype)
             return probe_min_rows(layer, x)
-        return probe_min_rows(lambda a: torch.nn.functional.linear(a, w.to(a.dtype)), x)
+        return probe_min_rows(lambda a: torch.nn.functional.linear(a, w), x)
     return _cached(f"linear,format={fmt},n={n},k={k}", probe)
 
 
