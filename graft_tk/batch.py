@@ -18,8 +18,11 @@ requests come and go.
 A long prompt need not stall the requests decoding: with ``prefill_chunk`` a prompt that
 arrives while others decode is read by the next steps, at most that many tokens each
 (``graft_tk.step.Prefill``), in the row after theirs, before their forward; it joins them once
-read. One prompt is read at a time (the batch is ``full`` meanwhile), so between two of their
-steps at most one chunk is read. Without it (a library call) a prompt is read whole.
+read. With ``prefill_seconds`` too, a chunk is also at most what the batch's last prompt reads
+say it reads in that time (a slow device reads fewer tokens a step; the streams decoding wait
+that much longer for their next tokens, not more). One prompt is read at a time (the batch is
+``full`` meanwhile), so between two of their steps at most one chunk is read. Without
+``prefill_chunk`` (a library call) a prompt is read whole.
 
 Memory: without ``max_len`` the caches grow to the longest request so far and stay there (a
 library call, one process, one user). With ``max_len`` (graft-serve's ``--max-model-len``) they
@@ -47,6 +50,7 @@ from .stats import RequestStats
 from .step import Prefill, StepRecord, decode_step
 
 CONTEXT_MULTIPLE = 512   # the context buffer grows in steps of this many tokens (it is a shape of the step)
+CHUNK_MULTIPLE = 32      # a chunk cut by ``prefill_seconds`` is a multiple of this many tokens (few shapes)
 
 
 class Batch:
@@ -55,7 +59,7 @@ class Batch:
 
     def __init__(self, runtime: Runtime, state: SpecState, config: GraftConfig, max_batch: int = 1,
                  policy: Mapping[int, GraftConfig] | None = None, hold: int = 0, max_len: int | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, prefill_seconds: float | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InputError(f"max_batch must be an int >= 1, got {max_batch!r}")
         context = runtime.target.config.max_position_embeddings
@@ -74,9 +78,14 @@ class Batch:
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                           or prefill_chunk < 1):
             raise InputError(f"prefill_chunk must be None or an int >= 1 (tokens), got {prefill_chunk!r}")
+        if prefill_seconds is not None and (isinstance(prefill_seconds, bool)
+                                            or not isinstance(prefill_seconds, (int, float)) or not prefill_seconds > 0):
+            raise InputError(f"prefill_seconds must be None or a number > 0 (seconds), got {prefill_seconds!r}")
         if runtime.exact and prefill_chunk is not None:     # every reading of a prompt runs the same forwards
             prefill_chunk = -(-prefill_chunk // exact.PREFILL_GRID) * exact.PREFILL_GRID
-        self.prefill_chunk = prefill_chunk
+            prefill_seconds = None
+        self.prefill_chunk, self.prefill_seconds = prefill_chunk, prefill_seconds
+        self.read_rate: float | None = None       # prompt tokens a second, as its last read of 64+ tokens took
         self.prefilling: Prefill | None = None    # the prompt being read, in row len(self.rows)
         self.runtime, self.state, self.config = runtime, state, config
         self.max_batch, self.hold = max_batch, hold
@@ -145,7 +154,7 @@ class Batch:
         """Read the rest of ``reading``'s prompt and start its request: it decodes from the next step on
         (or is done already: its first token ended it, and it takes no row)."""
         if not reading.read_all:
-            reading.read()
+            self._read(reading)
         reading.finish(self.context[reading.row])
         if not reading.request.done:
             self.rows.append(reading.request)
@@ -158,9 +167,9 @@ class Batch:
         if self.prefilling is None:
             self._read_drafter()        # no prompt chunk this step: a new row's drafter reads instead
         if self.prefilling is not None:
-            reading = self.prefilling
-            if self.rows and reading.tokens_read + self.prefill_chunk < reading.total:
-                reading.read(self.prefill_chunk)
+            reading, chunk = self.prefilling, self.chunk()
+            if self.rows and reading.tokens_read + chunk < reading.total:
+                self._read(reading, chunk)
             else:            # its last chunk, or nothing decodes: read the rest and start it
                 self.prefilling = None
                 self._started(reading)
@@ -176,6 +185,23 @@ class Batch:
         for r in finished:
             self._remove(r)
         return started + finished
+
+    def chunk(self) -> int:
+        """The prompt tokens the next step reads: ``prefill_chunk``, fewer where they would take
+        more than about ``prefill_seconds`` at the measured ``read_rate`` (the nearest multiple of
+        CHUNK_MULTIPLE: rounding down would shrink the chunks read after read, as a narrower read
+        is a slower one per token)."""
+        if self.prefill_seconds is None or self.read_rate is None:
+            return self.prefill_chunk
+        fit = round(self.read_rate * self.prefill_seconds / CHUNK_MULTIPLE) * CHUNK_MULTIPLE
+        return min(self.prefill_chunk, max(CHUNK_MULTIPLE, fit))
+
+    def _read(self, reading: Prefill, tokens: int | None = None) -> None:
+        """``reading.read(tokens)``, timed: a read long enough to time well sets ``read_rate``."""
+        before, t = reading.tokens_read, time.perf_counter()
+        reading.read(tokens)
+        if (n := reading.tokens_read - before) >= 2 * CHUNK_MULTIPLE:
+            self.read_rate = n / (time.perf_counter() - t)
 
     def _read_drafter(self) -> None:
         """The first row waiting for its drafter's read (``drafting.waiting_rows``: it joined

@@ -46,9 +46,11 @@ class Engine:
         return self.runtime.target
 
     def batch(self, max_batch: int = 1, policy: Mapping[int, GraftConfig] | None = None, hold: int = 0,
-              max_len: int | None = None, prefill_chunk: int | None = None) -> Batch:
+              max_len: int | None = None, prefill_chunk: int | None = None,
+              prefill_seconds: float | None = None) -> Batch:
         """A batch of up to ``max_batch`` requests on this engine's models and state (``graft_tk.batch``)."""
-        return Batch(self.runtime, self.state, self.config, max_batch, policy, hold, max_len, prefill_chunk)
+        return Batch(self.runtime, self.state, self.config, max_batch, policy, hold, max_len, prefill_chunk,
+                     prefill_seconds)
 
     def request(self, ids: Sequence[int], method: str | Method, max_new_tokens: int,
                 sampling: Sampling = Sampling()) -> RequestSpec:

@@ -106,6 +106,31 @@ def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode(smollm2,
     assert reads == ([(0, True), (1, True), (1, False)] if method == "graft" else []), reads
 
 
+def test_prefill_seconds_cuts_a_chunk_to_what_the_last_reads_say_fits(smollm2, prompts):
+    """With prefill_seconds a step reads at most what the batch's measured read rate reads in that
+    time (the nearest multiple of 32 tokens, at least 32, at most prefill_chunk); before any read is timed,
+    prefill_chunk. The answer is still plain decoding's (fp32)."""
+    long_ids = encode_prompt(smollm2, "\n\n".join(p.text for p in load_prompts("humaneval")[:3]), chat=True)
+    want = graft_tk.decode(smollm2, long_ids, max_new_tokens=4).tokens
+    for seconds, chunk in ((1e-6, 32), (1e6, 128)):
+        batch = Engine(smollm2).batch(2, prefill_chunk=128, prefill_seconds=seconds)
+        assert batch.chunk() == 128 and batch.read_rate is None
+        with torch.inference_mode():
+            first = batch.add(long_ids, "ar", max_new_tokens=40)     # read whole: its read is timed
+            assert batch.read_rate > 0 and batch.chunk() == chunk
+            second = batch.add(long_ids, "ar", max_new_tokens=4)
+            read = []
+            while batch.prefilling is not None:
+                read.append(batch.prefilling.tokens_read)
+                batch.step()
+            while len(batch):
+                batch.step()
+        assert read == list(range(0, len(long_ids), chunk))[:len(read)] and len(read) == -(-len(long_ids) // chunk)
+        assert second.out == want == first.out[:4]
+    with pytest.raises(InputError, match="prefill_seconds"):
+        Engine(smollm2).batch(2, prefill_chunk=16, prefill_seconds=0)
+
+
 def test_a_prompt_being_read_can_be_cancelled_and_alone_is_read_whole(smollm2, prompts):
     batch = Engine(smollm2).batch(2, prefill_chunk=16)
     with torch.inference_mode():

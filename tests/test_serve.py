@@ -407,6 +407,9 @@ def test_the_kv_pool_is_fixed_and_a_longer_request_is_a_400(smollm2, batched):
     of --max-batch rows of --max-model-len tokens made at start-up: a request past it is a 400 that
     names the flag, and a long request leaves the pool as it was."""
     url, scheduler, client = batched
+    # the model is shared with the tests that ran beside this module on its worker: a request takes
+    # the pool back if one of their engines took the model's cache meanwhile
+    client.completions.create(model=NAME, prompt="Hi", max_tokens=1)
     kv = scheduler.engine.target.net.kv
     before = (kv.data_ptr(), tuple(kv.shape))
     assert kv.shape[2] == 4 and kv.shape[-2] >= MAX_MODEL_LEN

@@ -56,7 +56,7 @@ from graft_tk.decode import encode_prompt, resolve_config
 from graft_tk.bench.prompts import load_prompts
 from graft_tk.server.app import serving_in_thread
 from graft_tk.server.metrics import Metrics
-from graft_tk.server.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler, batching_config
+from graft_tk.server.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SECONDS, Scheduler, batching_config
 
 COMPILE_DRAFTER = "compile-drafter"     # "<method>:compile-drafter": served with --compile drafter
 
@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                    help="graft-serve's --prefill-chunk; 0 reads every prompt whole (default: %(default)s)")
+    p.add_argument("--prefill-seconds", type=float, default=DEFAULT_PREFILL_SECONDS,
+                   help="graft-serve's --prefill-seconds; 0: no bound but --prefill-chunk (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None, help="graft-serve's --max-model-len")
     p.add_argument("--arrival-rate", type=float, default=None, metavar="R",
                    help="open loop: --requests-per-cell requests arrive at Poisson times, R a second on "
@@ -289,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                                                      for b, c in policy.items())
         scheduler = Scheduler(target, d, method, config, max_queue=256, metrics=Samples(), max_batch=B,
                               policy=policy, compile=served[name].compile, max_model_len=args.max_model_len,
-                              prefill_chunk=args.prefill_chunk or None, exact=args.exact)
+                              prefill_chunk=args.prefill_chunk or None, exact=args.exact,
+                              prefill_seconds=args.prefill_seconds or None)
         scheduler.warm_up()     # untimed, as graft-serve compiles before it opens its port
         return scheduler, source
 

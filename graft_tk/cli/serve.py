@@ -6,8 +6,8 @@
 
 Up to --max-batch requests decode together (first come first served, continuous batching), with
 one engine whose adjacency matrix (retrieval's source) stays warm across requests; a prompt that
-arrives while others decode is read --prefill-chunk tokens a step; up to --max-queue wait, more
-get 429. Each finished request logs one line. SIGTERM (or Ctrl-C) stops accepting, lets requests
+arrives while others decode is read a chunk a step (--prefill-chunk, --prefill-seconds); up to
+--max-queue wait, more get 429. Each finished request logs one line. SIGTERM (or Ctrl-C) stops accepting, lets requests
 in flight finish for --grace seconds, then cancels the rest: their clients get a 503 error (a
 stream as its last event) and the server exits 0. GET /metrics (Prometheus text): requests and
 tokens, time to first token and inter-token latency histograms, accepted tokens by source, steps
@@ -28,7 +28,7 @@ from ..decode import resolve_config
 from ..runtime import check_drafter
 from ..errors import GraftError, InputError
 from ..models import load_model
-from ..server.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ..server.scheduler import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SECONDS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a prompt arriving while other requests decode is read this many tokens per step, so their "
                         "streams keep going while it is read, and its drafter reads between two steps, not in "
                         "one (default: %(default)s)")
+    p.add_argument("--prefill-seconds", type=at_least(0, float), default=DEFAULT_PREFILL_SECONDS, metavar="S",
+                   help="... and fewer where the server's last prompt reads say they would take longer than S "
+                        "seconds, the most a prompt chunk delays the streams decoding; 0: no bound but "
+                        "--prefill-chunk (default: %(default)s)")
     p.add_argument("--policy-hold", type=at_least(0), default=8, metavar="STEPS",
                    help="a batch plans its N, tau and D for the most requests of the last STEPS steps, so the "
                         "gap between a client's requests does not switch the policy (default: %(default)s)")
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         scheduler = Scheduler(target, drafter, method, config, args.max_queue, Metrics(), args.max_batch, policy,
                               hold=args.policy_hold, max_model_len=args.max_model_len, compile=args.compile,
-                              prefill_chunk=args.prefill_chunk, exact=args.exact)
+                              prefill_chunk=args.prefill_chunk, prefill_seconds=args.prefill_seconds or None,
+                              exact=args.exact)
     except GraftError as e:   # e.g. a batch of an EAGLE-3 head's requests
         print(f"graft-serve: error: {e}", file=sys.stderr)
         return 2

@@ -31,6 +31,7 @@ from .protocol import APIError, Request
 log = logging.getLogger("graft_tk.server")
 DEFAULT_MAX_MODEL_LEN = 4096   # tokens per request (prompt + answer) when --max-model-len is not given
 DEFAULT_PREFILL_CHUNK = 256    # prompt tokens read per step while others decode (--prefill-chunk)
+DEFAULT_PREFILL_SECONDS = 1.0  # ... fewer where they take longer on this device (--prefill-seconds)
 DEFAULT_MAX_BATCH = 4          # requests decoded together (--max-batch)
 WARM_UP_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 WARM_UP_TOKENS = 12
@@ -171,7 +172,7 @@ class Scheduler:
     def __init__(self, target: Model, drafter, method: str, config, max_queue: int, metrics: Metrics,
                  max_batch: int = 1, policy: dict | None = None, hold: int = 8, max_model_len: int | None = None,
                  compile: bool | str = False, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
-                 exact: bool = False):
+                 exact: bool = False, prefill_seconds: float | None = DEFAULT_PREFILL_SECONDS):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.target, self.drafter, self.method, self.metrics = target, drafter, method, metrics
@@ -181,8 +182,9 @@ class Scheduler:
         self.max_model_len = max_model_len or min(DEFAULT_MAX_MODEL_LEN, target.config.max_position_embeddings)
         # policy: batch size -> config (N, tau and D by batch size, graft-calibrate --batch B), planned
         # for the most requests of the last ``hold`` steps (graft_tk.batch.Batch)
-        # a prompt arriving while others decode is read prefill_chunk tokens a step (graft_tk.batch)
-        self.batch = self.engine.batch(max_batch, policy, hold, self.max_model_len, prefill_chunk)
+        # a prompt arriving while others decode is read prefill_chunk tokens a step, fewer where they
+        # take longer than prefill_seconds (graft_tk.batch)
+        self.batch = self.engine.batch(max_batch, policy, hold, self.max_model_len, prefill_chunk, prefill_seconds)
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._thread = threading.Thread(target=self._serve, name="graft-decode", daemon=True)
         self._accepting = True
