@@ -283,11 +283,13 @@ def test_serve_load_reports_first_token_and_per_token_latency(smollm2, tmp_path)
     from graft_tk.bench import serve_load
     out = tmp_path / "load.json"
     # a short prompt and a 1k-token conversation (its earlier turns sent as messages), read 128 tokens a step
-    assert serve_load.main(["--model", "smollm2-135m", "--methods", "ar,retrieval+pld", "--batches", "2",
-                            "--prompts", "humaneval#1,long@1k#1", "--requests-per-cell", "2", "--max-tokens", "6",
-                            "--dtype", "fp32", "--prefill-chunk", "128", "--json", str(out)]) == 0
+    # 3 clients of a server that batches 2 (as graft-serve's default batch serves more clients)
+    assert serve_load.main(["--model", "smollm2-135m", "--methods", "ar,retrieval+pld", "--batches", "3",
+                            "--max-batch", "2", "--prompts", "humaneval#1,long@1k#1", "--requests-per-cell", "3",
+                            "--max-tokens", "6", "--dtype", "fp32", "--prefill-chunk", "128", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert {r["method"] for r in rows} == {"ar", "retrieval+pld"} and all(r["same_as_reference"] for r in rows)
+    assert all(r["batch"] == 3 and r["max_batch"] == 2 and r["peak_batch"] <= 2 and r["requests"] == 3 for r in rows)
     for r in rows:
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["latency_p95_s"] + 1e-9
         assert 0 < r["token_p50_ms"] <= r["token_p99_ms"] <= 1000 * r["chunk_wait_max_s"] + 1e-6

@@ -1,4 +1,5 @@
-"""graft-serve under load: B concurrent clients against a server that batches up to B requests.
+"""graft-serve under load: B concurrent clients against a server that batches up to B requests
+(or ``--max-batch``, as graft-serve's default of 4 serves any number of clients).
 
     python bench/serve_load.py --model qwen2.5-coder-1.5b --methods ar,graft --batches 1,2,4,8 \\
         --prompts "humaneval#8" --requests-per-cell 16 --max-tokens 32 [--json OUT]
@@ -216,7 +217,7 @@ def time_split(metrics: Metrics) -> dict:
 def report(r: dict) -> None:
     split = ", ".join(f"{k} {v['seconds']:.1f} s" + (f" {v['tokens'] / v['seconds']:.1f} tok/s" if "tokens" in v
                                                      and v["seconds"] else "") for k, v in r["time_split"].items())
-    print(f"B={r['batch']} {r['method']:8s} {r['requests_per_s']:.3f} req/s {r['output_tokens_per_s']:.2f} tok/s "
+    print(f"B={r['batch']} (max batch {r['max_batch']}) {r['method']:8s} {r['requests_per_s']:.3f} req/s {r['output_tokens_per_s']:.2f} tok/s "
           f"p50 {r['latency_p50_s']:.1f} s p95 {r['latency_p95_s']:.1f} s first token p99 {r['ttft_p99_s']:.2f} s "
           f"per token p99 {r['token_p99_ms']:.0f} ms longest wait between chunks {r['chunk_wait_max_s']:.1f} s "
           f"peak batch {r['peak_batch']} {split}",
@@ -230,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="ar,graft",
                    help=f"comma list; '<method>:{COMPILE_DRAFTER}' serves it with its drafter compiled")
     p.add_argument("--batches", default="1,2,4,8", help="concurrent clients = max batch, each B in turn")
+    p.add_argument("--max-batch", type=int, default=None, metavar="M",
+                   help="every server's max batch, whatever the clients (graft-serve's default is 4; "
+                        "default: B, as many as the clients)")
     p.add_argument("--prompts", default="humaneval#8")
     p.add_argument("--requests-per-cell", type=int, default=16,
                    help="requests per (B, method), split evenly between the B clients (rounded up)")
@@ -251,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, metavar="OUT")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    if args.max_batch is not None and args.max_batch < 1:
+        p.error(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.arrival_rate is not None and not args.arrival_rate > 0:
         p.error(f"--arrival-rate must be > 0 (requests a second), got {args.arrival_rate}")
     arrivals = poisson_arrivals(args.arrival_rate, args.requests_per_cell, args.seed) if args.arrival_rate else None
@@ -303,12 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         # turn; B > 1: one method after the other (which first alternates with B)
         groups = [methods] if B == 1 and not arrivals else [[m] for m in (methods if n % 2 == 0 else methods[::-1])]
         for group in groups:
-            servers = [server(method, B) for method in group]
+            servers = [server(method, args.max_batch or B) for method in group]
             with contextlib.ExitStack() as stack:
                 urls = [stack.enter_context(serving_in_thread(s, "bench")) + "/v1" for s, _ in servers]
                 results = load(urls, texts, B, per_client, args.max_tokens, arrivals)
             for method, (scheduler, source), r in zip(group, servers, results):
-                r.update(batch=B, method=method, config=source, peak_batch=scheduler.peak_batch,
+                r.update(batch=B, max_batch=args.max_batch or B, method=method, config=source,
+                         peak_batch=scheduler.peak_batch,
                          time_split=time_split(scheduler.metrics), **latencies(scheduler.metrics))
                 rows.append(r)
                 report(r)
@@ -334,12 +341,12 @@ def main(argv: list[str] | None = None) -> int:
                                                     exact=args.exact).tokens)
                 seconds[name] += time.perf_counter() - t
         single = {m: tokens[m] / seconds[m] for m in methods}
-    lines = ["| B | method | requests/s | output tok/s | vs ar | p50 latency s | p95 latency s | first token p50 / "
+    lines = ["| B | max batch | method | requests/s | output tok/s | vs ar | p50 latency s | p95 latency s | first token p50 / "
              "p99 s | per-token p50 / p99 ms | longest chunk wait s | peak batch | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["batch"], methods.index(r["method"]))):
         ar = next(x for x in rows if x["batch"] == r["batch"] and x["method"] == methods[0])
-        lines.append(f"| {r['batch']} | {r['method']} | {r['requests_per_s']:.3f} | {r['output_tokens_per_s']:.2f} | "
+        lines.append(f"| {r['batch']} | {r['max_batch']} | {r['method']} | {r['requests_per_s']:.3f} | {r['output_tokens_per_s']:.2f} | "
                      f"{r['output_tokens_per_s'] / ar['output_tokens_per_s']:.2f}x | {r['latency_p50_s']:.1f} | "
                      f"{r['latency_p95_s']:.1f} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | "
                      f"{r['token_p50_ms']:.0f} / {r['token_p99_ms']:.0f} | {r['chunk_wait_max_s']:.1f} | "
