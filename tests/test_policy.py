@@ -226,6 +226,22 @@ def test_a_batch_costs_its_rows_tokens_and_extends_the_curve_by_its_slope():
     assert two.step_ms == 1.0 and len(two.verify_ms_per_1k) == 4
 
 
+def test_drafting_that_lowers_the_rate_below_plain_decodings_does_not_confirm_itself():
+    """R never falls below plain decoding's rate: drafting steps whose accepted nodes only pay at
+    their own lowered rate stop. (4 rows on a 2-core CPU: ~9 drafted nodes accepted for ~700 ms
+    a step, 12 tokens/s where plain decoding makes 20, drafted every step while R followed them down.)"""
+    cost = StepCost(verify_ms=(200.0,) * 16, draft_ms=(30.0, 60.0, 90.0, 120.0), step_ms=0.0)
+    policy = StepPolicy(cost, top_k=4, budget=16, rows=4)
+    assert policy.rate == pytest.approx(4 / 200)
+    drafted = []
+    for _ in range(EXPLORE_EVERY - 1):         # each: 6 forwards of 4 x 4 nodes, 9 drafted nodes accepted
+        drafted.append(policy.should_draft())
+        policy.count(committed=13 if drafted[-1] else 4, verified=1, draft_widths=(4,) * 6 if drafted[-1] else (),
+                     drafted=drafted[-1], drafted_accepted=9 if drafted[-1] else 0)
+        assert policy.rate >= 4 / 200
+    assert drafted[0] and not any(drafted[3:])     # 9 nodes < R x 720 ms = 14.4
+
+
 def test_a_batch_speculates_only_as_far_as_its_measured_costs_pay():
     """Flat to 4 tokens, then 2 ms a token: one request verifies wide; four requests, whose
     one-more-node-each costs 4 tokens of forward, verify nothing but their roots unless the
