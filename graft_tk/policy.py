@@ -36,7 +36,8 @@ cost model (``graft_tk.cost.StepCost``) and the acceptance estimates (``graft_tk
   rows; decayed, with an optimistic prior of one node for one forward); otherwise the step verifies
   retrieval and prompt-lookup candidates alone, and every ``EXPLORE_EVERY``-th step drafts anyway
   to notice when the drafter becomes worth it again (a skipped drafter catches up on the tokens
-  it missed in its next forward).
+  it missed in its next forward); each such try that does not pay doubles the wait, up to
+  ``EXPLORE_MAX`` steps (at 4 rows on a 2-core CPU a try costs ~1 s against 0.25 s for a step).
 * width: of the tree built at the budget N, the verify takes the n likeliest nodes (root
   included) that maximise the tokens they are expected to add minus R times ``verify_ms[n - 1]``:
   where the verify is flat every node with any chance pays, where it is steep only the likely
@@ -70,7 +71,7 @@ from .methods import Method
 RATE_DECAY = 0.95
 PRIOR_STEPS = 4.0   # plain decoding's rate, and one accepted drafted node per step, weigh this many steps at first
 EXPLORE_EVERY = 8   # draft at least once in this many steps
-EXPLORE_MAX = 64    # the draft gate's longest wait between tries of the arm it does not take
+EXPLORE_MAX = 64    # the longest wait between tries of the arm not taken (draft gate, cost policy)
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,7 @@ class StepPolicy(StepController):
         self.drafted_accepted, self.drafting_steps = PRIOR_STEPS * rows, PRIOR_STEPS
         self.drafting_ms = PRIOR_STEPS * (cost.draft(1) + self.row_ms) if cost.draft_ms else 0.0
         self.steps_without_drafting = 0
+        self.explore_every, self.exploring = EXPLORE_EVERY, False   # the wait between tries; this step is one
 
     def at_context(self, context: int) -> None:
         """Decide with the costs after ``context`` cached tokens (``StepCost.at``)."""
@@ -210,8 +212,15 @@ class StepPolicy(StepController):
         """Run the drafter this step? (see the module docstring)"""
         if not self.cost.draft_ms:
             return True
-        gain, spent = self.drafted_accepted / self.drafting_steps, self.drafting_ms / self.drafting_steps
-        return gain >= self.rate * spent or self.steps_without_drafting + 1 >= EXPLORE_EVERY
+        if self.pays():
+            self.explore_every, self.exploring = EXPLORE_EVERY, False
+            return True
+        self.exploring = self.steps_without_drafting + 1 >= self.explore_every
+        return self.exploring
+
+    def pays(self) -> bool:
+        """Whether the drafted nodes accepted per drafting step pay for what it spends on them."""
+        return self.drafted_accepted >= self.rate * self.drafting_ms
 
     def depth_log_tau(self, draft_rates: list[float] | None, edges: tuple[float, ...], log_tau_bound: float) -> float:
         """The step's drafting threshold: the lowest score whose estimated acceptance pays for a
@@ -270,6 +279,9 @@ class StepPolicy(StepController):
             self.drafted_accepted = RATE_DECAY * self.drafted_accepted + drafted_accepted
             self.drafting_steps = RATE_DECAY * self.drafting_steps + 1
             self.drafting_ms = RATE_DECAY * self.drafting_ms + drafting_ms + self.row_ms * drafted_verified / self.rows
+            if self.exploring and not self.pays():      # a try that confirmed not drafting: wait longer
+                self.explore_every = min(2 * self.explore_every, EXPLORE_MAX)
+            self.exploring = False
 
 
 class DraftGate(StepController):

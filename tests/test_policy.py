@@ -123,18 +123,25 @@ def test_the_knee_is_the_widest_verify_within_its_ratio_of_one_token():
     assert cost.knee() == 4 and cost.knee(ratio=1.2) == 3 and cost.knee(ratio=1.0) == 1 and cost.knee(3.0) == 6
 
 
-def test_drafting_is_skipped_while_it_does_not_pay_and_retried_every_few_steps():
+def test_drafting_is_skipped_while_it_does_not_pay_and_retried_less_often_while_it_still_does_not():
     cost = StepCost(verify_ms=(10.0,), draft_ms=(8.0,), step_ms=0.0)
     policy = StepPolicy(cost, top_k=1)
     assert policy.should_draft()                     # prior: one accepted drafted node per step >= 0.1 * 8
     for _ in range(20):                              # the drafter's nodes are never accepted
         policy.count(committed=1, verified=1, draft_widths=(1,), drafted=True, drafted_accepted=0)
-    choices = []
-    for _ in range(2 * EXPLORE_EVERY):
-        choices.append(policy.should_draft())
-        policy.count(committed=1, verified=1, draft_widths=(1,) if choices[-1] else (), drafted=choices[-1],
-                       drafted_accepted=0)
-    assert choices == ([False] * (EXPLORE_EVERY - 1) + [True]) * 2
+
+    def steps(n: int, accepted: int = 0) -> list[bool]:
+        choices = []
+        for _ in range(n):
+            choices.append(policy.should_draft())
+            policy.count(committed=1 + accepted * choices[-1], verified=1, draft_widths=(1,) if choices[-1] else (),
+                         drafted=choices[-1], drafted_accepted=accepted * choices[-1])
+        return choices
+    tries = [i for i, c in enumerate(steps(EXPLORE_MAX * 2 + 64), 1) if c]
+    waits = [b - a for a, b in zip([0] + tries, tries)]
+    assert waits[:4] == [EXPLORE_EVERY, 2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, EXPLORE_MAX] and set(waits[4:]) == {EXPLORE_MAX}
+    assert all(steps(2 * EXPLORE_MAX, accepted=20)[-8:])     # the drafter pays again: it drafts every step
+    assert policy.explore_every == EXPLORE_EVERY
 
 
 def test_the_gate_takes_the_faster_of_drafting_or_not_in_each_situation():
