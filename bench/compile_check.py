@@ -14,8 +14,8 @@ constexprs as Triton's launcher makes them (unless the kernel says ``do_not_spec
 Shapes: vocab 49,152 (SmolLM2) and 151,936 (Qwen2.5); frontiers of 1, 4 and 16 rows; K = 1, 4, 8;
 trees of 1, 16 and 64 nodes; retrieval templates of 1 and 80 nodes with k = 1 and 8; head dim 64
 and 128; GQA groups 1, 2, 7 and 8; quantized matmuls (int8 / int4, 1 to 64 rows, with and without
-bias); fp32 / fp16 / bf16. Tree attention is compiled at its
-heuristic tiles for every shape and, without ``--quick``, at every candidate tile of
+bias); fp32 / fp16 / bf16; exact mode's row-invariant attention at the tree shapes. Tree attention
+is compiled at its heuristic tiles for every shape and, without ``--quick``, at every candidate tile of
 graft-autotune's search space. Exit status 1, naming kernel and config, when a kernel does not
 compile or needs more shared memory than the arch has.
 """
@@ -59,8 +59,8 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
           torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 OPTIONS = ("num_warps", "num_stages")
-KERNEL_MODULES = ("accept", "build_tree", "commit_kv", "draft_expand", "prompt_lookup", "quant_matmul", "retrieve",
-                  "tree_attention")
+KERNEL_MODULES = ("accept", "build_tree", "commit_kv", "draft_expand", "exact_attention", "prompt_lookup",
+                  "quant_matmul", "retrieve", "tree_attention")
 
 
 @dataclass(frozen=True)
@@ -172,9 +172,10 @@ def op_calls(quick: bool):
                        lambda dtype=dtype, d=d, n=n: probes.commit_kv(2, 2, 512, d, n, dtype, rows=2)("cpu"))
             for group in ((1, 7) if quick else (1, 2, 7, 8)):
                 for T in ((1, 64) if quick else (1, 16, 64)):
-                    yield (f"{str(dtype)[6:]} d{d} group {group} T={T}", "tree_attention",
-                           lambda dtype=dtype, d=d, group=group, T=T:
-                           probes.tree_attention(T, 512, dtype, hq=2 * group, hkv=2, d=d, rows=2)("cpu"))
+                    for module in ("tree_attention", "exact_attention"):
+                        yield (f"{str(dtype)[6:]} d{d} group {group} T={T}", module,
+                               lambda dtype=dtype, d=d, group=group, T=T:
+                               probes.tree_attention(T, 512, dtype, hq=2 * group, hkv=2, d=d, rows=2)("cpu"))
                 yield (f"{str(dtype)[6:]} d{d} group {group} causal prefill T=256", "tree_attention",
                        lambda dtype=dtype, d=d, group=group: causal(
                            probes.tree_attention(256, 0, dtype, hq=2 * group, hkv=2, d=d)("cpu")))

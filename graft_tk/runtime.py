@@ -75,8 +75,14 @@ class Runtime:
 
     @property
     def target_attention(self) -> Callable:
-        """The attention of the target's forwards (a drafter's run ``ops.tree_attention``)."""
-        return partial(exact.attention, min_rows=self.exact_rows) if self.exact else self.ops.tree_attention
+        """The attention of the target's forwards (a drafter's run ``ops.tree_attention``); in exact
+        mode a row-invariant one: the Triton kernel with the Triton backend, else the torch one."""
+        if not self.exact:
+            return self.ops.tree_attention
+        if self.ops.backend == "triton":
+            from .kernels.exact_attention import exact_attention
+            return exact_attention
+        return partial(exact.attention, min_rows=self.exact_rows)
 
     @classmethod
     def build(cls, target: Model, drafter: Model | Eagle3Head | Drafter | None = None, backend: str = "auto",

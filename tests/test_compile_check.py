@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"_draft_expand_kernel", "_draft_expand_partial_kernel", "_retrieve_kernel", "_build_tree_kernel", "_node_topk_kernel", "_walk_kernel",
            "_write_kernel",
-           "_commit_kv_kernel", "_tree_attention_kernel", "_combine_splits_kernel", "_prompt_lookup_kernel",
+           "_commit_kv_kernel", "_tree_attention_kernel", "_combine_splits_kernel", "_exact_attention_kernel",
+           "_prompt_lookup_kernel",
            "_quant_matmul_kernel"}
 
 

@@ -4,6 +4,8 @@ The property itself, per op and end to end (``torch.equal``, bf16), each with th
 that the same comparison fails without the mode; then what users see: bf16 greedy output and
 seeded sampling of every method equal to ``ar``'s, alone and in a ragged batch.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -95,6 +97,27 @@ def test_the_probe_finds_the_width_from_which_rows_agree():
     assert (narrow_differs(x[:4]) != narrow_differs(x)[:4]).float().mean() > 0.5
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_tree_row_of_the_triton_exact_attention_is_its_one_row_decode(dtype):
+    """The Triton kernel of exact mode (under the interpreter here): each tree node's output is
+    bitwise its 1-row call's, in a ragged batch whose trees cross a key tile's end; the ordinary
+    Triton tree attention fails the same check (in fp32, where bf16's rounding hides nothing)."""
+    from graft_tk.kernels.exact_attention import exact_attention
+    from graft_tk.kernels.tree_attention import tree_attention
+    gen = torch.Generator().manual_seed(7)
+    mask, depth = random_tree(12, gen)
+    prefix, B, S = [27, 58], 2, 128           # keys tiled by 32 (fp32) and 64 (bf16): the trees cross both
+    q = torch.randn(B, 6, 12, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(B, 2, S, 64, generator=gen).to(dtype) for _ in range(2))
+    assert all(rows_alone(exact_attention, q, k, v, prefix, mask, depth))
+    if dtype == torch.float32:
+        assert not all(rows_alone(tree_attention, q, k, v, prefix, mask, depth))
+    got = exact_attention(q, k, v, torch.tensor(prefix), mask.expand(B, 12, 12), max(prefix) + 12)
+    want = reference_attention(q.float(), k.float(), v.float(), torch.tensor(prefix), mask.expand(B, 12, 12),
+                               max(prefix) + 12)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)        # the same attention
+
+
 @pytest.fixture(scope="module")
 def smollm2_bf16():
     return graft_tk.load_model("smollm2-135m", dtype="bf16", progress=False)
@@ -122,19 +145,36 @@ def verify_rows_alone(net, attention, prompt: int = 300, n: int = 12) -> list[bo
     return same
 
 
-def test_each_verify_row_of_an_exact_model_is_its_one_row_decode(smollm2_bf16):
-    net = smollm2_bf16.net
-    off = verify_rows_alone(net, None)
-    rows = exact.enable(net)
+@contextlib.contextmanager
+def exact_net(net):
+    """``net`` in exact mode for the block (its linear layers padded), back to plain after it;
+    yields the rows exact attention's GEMMs need."""
     try:
-        on = verify_rows_alone(net, lambda *a, **kw: exact.attention(*a, min_rows=rows, **kw))
+        yield exact.enable(net)
     finally:
         for m in net.modules():
             if hasattr(m, "min_rows"):
                 m.min_rows = 1
         net.head_min_rows = 1
+
+
+def test_each_verify_row_of_an_exact_model_is_its_one_row_decode(smollm2_bf16):
+    net = smollm2_bf16.net
+    off = verify_rows_alone(net, None)
+    with exact_net(net) as rows:
+        on = verify_rows_alone(net, lambda *a, **kw: exact.attention(*a, min_rows=rows, **kw))
     assert all(on), on
     assert not all(off), "without exact mode the rows should differ (the inverse check)"
+
+
+def test_each_verify_row_of_an_exact_model_is_its_one_row_decode_with_the_triton_kernel(smollm2_bf16):
+    """The same with exact mode's Triton attention (what exact mode runs with backend="triton"),
+    under the interpreter here; and an engine built so takes it as the target's attention."""
+    from graft_tk.kernels.exact_attention import exact_attention
+    with exact_net(smollm2_bf16.net):
+        on = verify_rows_alone(smollm2_bf16.net, exact_attention, prompt=100, n=6)
+    assert all(on), on
+    assert graft_tk.Engine(smollm2_bf16, None, backend="triton", exact=True).runtime.target_attention is exact_attention
 
 
 def test_norms_rope_and_activations_are_per_row():
