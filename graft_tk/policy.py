@@ -50,8 +50,9 @@ tokens): a long prompt makes each verify dearer, while a drafter, reading a wind
 R is counted in the cost model's milliseconds of the steps taken, not the clock, so the choices
 are reproducible. It starts at plain decoding's rate (one token per one-token verify plus a
 step), never falls below it (plain decoding can always reach it), and its counts decay by
-``RATE_DECAY`` per step, so a change of workload is followed within a few dozen steps. Candidate selection still happens before the target's forward, so the
-output stays exactly that of plain decoding (and sampling stays exact).
+``RATE_DECAY`` per step, so a change of workload is followed within a few dozen steps. Candidate
+selection still happens before the target's forward, so the output stays exactly that of plain
+decoding (and sampling stays exact).
 """
 from __future__ import annotations
 
@@ -188,7 +189,7 @@ class StepPolicy(StepController):
         self.plain_rate = rows / (cost.verify_ms[0] + cost.step_ms)
         self.tokens, self.ms = PRIOR_STEPS * rows, PRIOR_STEPS * rows / self.plain_rate
         # drafting steps: drafted nodes accepted, and ms spent (forwards + the drafted nodes' verify rows)
-        self.drafted_accepted, self.drafting_steps = PRIOR_STEPS * rows, PRIOR_STEPS
+        self.drafted_accepted = PRIOR_STEPS * rows
         self.drafting_ms = PRIOR_STEPS * (cost.draft(1) + self.row_ms) if cost.draft_ms else 0.0
         self.steps_without_drafting = 0
         self.explore_every, self.exploring = EXPLORE_EVERY, False   # the wait between tries; this step is one
@@ -219,7 +220,8 @@ class StepPolicy(StepController):
         return self.exploring
 
     def pays(self) -> bool:
-        """Whether the drafted nodes accepted per drafting step pay for what it spends on them."""
+        """Whether the drafted nodes accepted pay for what the drafting steps spent on them (both
+        decayed sums over those steps)."""
         return self.drafted_accepted >= self.rate * self.drafting_ms
 
     def depth_log_tau(self, draft_rates: list[float] | None, edges: tuple[float, ...], log_tau_bound: float) -> float:
@@ -277,7 +279,6 @@ class StepPolicy(StepController):
         self.steps_without_drafting = 0 if drafted else self.steps_without_drafting + 1
         if drafted:
             self.drafted_accepted = RATE_DECAY * self.drafted_accepted + drafted_accepted
-            self.drafting_steps = RATE_DECAY * self.drafting_steps + 1
             self.drafting_ms = RATE_DECAY * self.drafting_ms + drafting_ms + self.row_ms * drafted_verified / self.rows
             if self.exploring and not self.pays():      # a try that confirmed not drafting: wait longer
                 self.explore_every = min(2 * self.explore_every, EXPLORE_MAX)

@@ -208,6 +208,18 @@ def test_bf16_greedy_output_of_every_method_equals_ar_in_exact_mode(exact_pair, 
         assert got.stats["exact"]
 
 
+def test_greedy_output_on_an_a8w8_target_equals_its_ar_in_exact_mode(exact_pair):
+    """int8 activations x int8 weights (quant="a8w8"): integer sums are row-invariant, and exact
+    mode makes what feeds them so; every method's output equals the a8w8 target's own ``ar``."""
+    target = graft_tk.load_model("smollm2-135m", dtype="bf16", quant="a8w8", progress=False)
+    drafter = exact_pair[1]
+    for text in [p.text for p in load_real_prompts()][:2]:
+        want = graft_tk.decode(target, text, max_new_tokens=32, exact=True).tokens
+        for method in ("graft", "pld"):
+            got = graft_tk.decode(target, text, drafter=drafter, method=method, max_new_tokens=32, exact=True)
+            assert got.tokens == want, (text[:40], method)
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_a_ragged_batch(exact_pair):
     target, drafter = exact_pair
     prompts = [p.text for p in load_real_prompts()]

@@ -230,6 +230,40 @@ def test_every_method_equals_ar_greedy_on_quantized_smollm2(quant, smollm2_gguf)
         assert got.tokens == ref.tokens, method
 
 
+def test_an_a8w8_layer_rounds_each_row_alone_and_multiplies_in_integers():
+    """a8w8: each row rounded to int8 with its own scale, the product in int32 sums: within the
+    rounding of 8-bit activations of the int8 layer's float product, and every row bitwise the
+    same at any call width (integer sums have no order to change)."""
+    torch.manual_seed(3)
+    N, K = 96, 256
+    q, s = quantize_int8(torch.randn(N, K))
+    layer = QuantLinear(q, s, None, torch.randn(N), torch.bfloat16)
+    x = torch.randn(40, K).bfloat16()
+    float_product = layer(x)
+    layer.int8_activations = True
+    y = layer(x)
+    assert y.dtype == torch.bfloat16 and layer.format == "a8w8" and "a8w8" in repr(layer)
+    assert (y.float() - float_product.float()).abs().max() < 0.02 * float_product.float().abs().max()
+    assert all(torch.equal(layer(x[i:i + 1])[0], y[i]) for i in range(40))
+    assert torch.equal(layer(x[3:19]), y[3:19])
+
+
+def test_an_a8w8_model_loads_from_the_int8_folder_on_a_cpu_only(smollm2_gguf):
+    target = graft_tk.load_model("smollm2-135m", dtype="bf16", quant="a8w8", num_layers=2, progress=False)
+    int8 = graft_tk.load_model("smollm2-135m", dtype="bf16", quant="int8", num_layers=2, progress=False)
+    assert target.quant == "a8w8" and target.path == int8.path        # the int8 weights, multiplied a8w8
+    layers = [m for m in target.net.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.format == "a8w8" for m in layers)
+    ids = torch.tensor([encode_prompt(target, "Hello", chat=True)])
+    for m in (target, int8):
+        m.net.setup_cache(ids.shape[1])
+    with torch.inference_mode():
+        a, b = (m.net(ids, torch.arange(ids.shape[1]), 0, logits_at=-1) for m in (target, int8))
+    assert (a.float() - b.float()).abs().max() < 0.1 * b.float().abs().max()
+    with pytest.raises(InputError, match="a8w8"):
+        graft_tk.load_model("smollm2-135m", quant="a8w8", device="meta", progress=False)
+
+
 def test_an_int4_all_drafter_under_an_int4_target_stays_lossless(smollm2_gguf):
     """int4-all re-quantizes the Q8_0-born LM head to 4 bits (every linear layer int4, a smaller
     cache); as a drafter it changes what is proposed, never what is output. Cut to 4 and 8 layers

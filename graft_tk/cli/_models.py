@@ -41,7 +41,8 @@ def load_drafter(spec: str | None, target: Model, model: str, dtype=None, device
 def add_quant_args(p, drafter: bool = True) -> None:
     """A CLI's ``--quant`` (and with ``drafter``, ``--drafter-quant``; read it with ``drafter_quant``)."""
     p.add_argument("--quant", default="none", choices=QUANTS,
-                   help="weight-only quantization of the target's linear layers (default: %(default)s; with int8/int4 "
+                   help="quantization of the target's linear layers: int8 / int4 weight-only, a8w8 = int8 weights "
+                        "and int8 activations (a CPU; lossless with --exact) (default: %(default)s; with any of them "
                         "use --dtype bf16 on a CPU)")
     if drafter:
         p.add_argument("--drafter-quant", default=None, choices=QUANTS,

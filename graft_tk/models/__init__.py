@@ -14,7 +14,7 @@ from .._fs import exclusive, graft_home
 from ..errors import CorruptFileError, InputError, ModelNotFoundError
 from . import registry
 from .checkpoint import load_transformer, quant_of, read_config
-from .quant import QUANTS, check_quant
+from .quant import QUANTS, check_quant, use_int8_activations
 from .tokenizer import Tokenizer
 from .transformer import ModelConfig, Transformer
 
@@ -34,7 +34,7 @@ class Model:
     config: ModelConfig
     tokenizer: Tokenizer
     net: Transformer
-    quant: str = "none"     # "none", "int8", "int4" or "int4-all" (graft_tk.models.quant)
+    quant: str = "none"     # "none", "int8", "int4", "int4-all" or "a8w8" (graft_tk.models.quant)
 
     @property
     def device(self) -> torch.device:
@@ -101,6 +101,7 @@ def load_model(name_or_path: str | Path, *, dtype=None, device=None, num_layers:
     num_layers: keep only the first L decoder layers (+ final norm and head) — a self-drafter.
     quant: "none" | "int8" | "int4" | "int4-all": weight-only quantized linear layers
         (``graft_tk.models.quant``; int4-all re-quantizes what a GGUF stores finer, for drafters);
+        "a8w8" (CPU): the int8 weights, activations rounded to int8 per row (exact with exact=True);
         a GGUF model is quantized from its blocks once into its own cache folder, others on load.
         dtype is then the compute dtype (activations, scales, KV cache); on a CPU use bf16: torch's
         packed kernels are fast for bf16 activations and slow for fp32 ones.
@@ -108,17 +109,21 @@ def load_model(name_or_path: str | Path, *, dtype=None, device=None, num_layers:
     if num_layers is not None and num_layers < 1:
         raise InputError(f"num_layers must be >= 1, got {num_layers}")
     quant = check_quant(quant)
+    if quant == "a8w8" and str(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu") != "cpu":
+        raise InputError(f"quant='a8w8' runs on a CPU (torch._int_mm's CPU kernel), not on {device or 'cuda'}; "
+                         "pass device='cpu', or use quant='int8' or 'int4'")
     device = parse_device(device)
+    stored = "int8" if quant == "a8w8" else quant        # a8w8 multiplies the int8 folder's weights
     t0 = time.perf_counter()
-    name, path = resolve(str(name_or_path), progress, quant, parse_dtype(dtype))
+    name, path = resolve(str(name_or_path), progress, stored, parse_dtype(dtype))
     held = quant_of(path)
-    if held != "none" and quant not in ("none", held):
+    if held != "none" and stored not in ("none", held):
         raise InputError(f"{path} holds {held} weights; load it with quant={held!r} (or its float source with {quant!r})")
-    quant = held if held != "none" else quant
+    stored = held if held != "none" else stored
     cfg = read_config(path, num_layers)
     tokenizer = Tokenizer(path)
     try:
-        net = load_transformer(path, cfg, parse_dtype(dtype), device, quant)
+        net = load_transformer(path, cfg, parse_dtype(dtype), device, stored)
     except CorruptFileError as e:
         if not (path / registry.STAMP).exists():
             raise
@@ -126,6 +131,10 @@ def load_model(name_or_path: str | Path, *, dtype=None, device=None, num_layers:
         raise CorruptFileError(f"{e}; {path} was converted by graft_tk and " + (
             "; ".join(damaged) if damaged else "every file still has its converted sha256") +
             f". Delete {path} and load it again: it is converted again from its verified source") from e
+    if quant == "a8w8":
+        use_int8_activations(net)
+    else:
+        quant = stored
     if num_layers is not None:
         name = f"{name}[:{num_layers}]"
     log.info("loaded %s (%s) from %s in %.1fs", name, quant, path, time.perf_counter() - t0)

@@ -44,7 +44,7 @@ def native_bf16_cpu() -> bool:
 
 
 def candidates(fmt: str) -> tuple[str, ...]:
-    """The paths a layer of weight format ``fmt`` ("bf16", "fp16", "fp32", "int8", "int4") can take."""
+    """The paths a layer of weight format ``fmt`` ("bf16", "fp16", "fp32", "int8", "int4", "a8w8") can take."""
     return ("native", "blocks") if fmt in ("bf16", "fp16", "int8") else ("native",)
 
 
@@ -105,7 +105,7 @@ def layers(net: torch.nn.Module) -> list[tuple[object, str, str, int, int]]:
         if isinstance(m, Linear) and m.weight.device.type == "cpu":
             found.append((m, "paths", float_format(m.weight.dtype), m.out_features, m.in_features))
         elif isinstance(m, QuantLinear) and m.cpu:
-            found.append((m, "paths", m.mode, m.out_features, m.in_features))
+            found.append((m, "paths", m.format, m.out_features, m.in_features))
     head = getattr(net, "tok_embeddings", None)
     if getattr(net, "output", 0) is None and head is not None and head.weight.device.type == "cpu":
         found.append((net, "head_paths", float_format(head.weight.dtype), *head.weight.shape))
