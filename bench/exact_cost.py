@@ -57,8 +57,8 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(0)
     mask, depth = random_tree(args.nodes, gen)
-    print(f"{model.name} {args.dtype} ({model.quant}), {torch.get_num_threads()} threads; exact mode pads linear calls to "
-          f"{sorted(set(exact_rows.values()) | {exact_head})} rows, attention GEMMs to {rows}")
+    print(f"{model.name} {args.dtype} ({model.quant}), {torch.get_num_threads()} threads; exact mode pads linear "
+          f"calls to {sorted(set(exact_rows.values()) | {exact_head})} rows, attention GEMMs to {rows}")
     print("| context | forward | plain ms | exact ms | exact / plain |")
     print("|---|---|---|---|---|")
     for context in (int(c) for c in args.context.split(",")):

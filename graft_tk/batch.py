@@ -78,8 +78,8 @@ class Batch:
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                           or prefill_chunk < 1):
             raise InputError(f"prefill_chunk must be None or an int >= 1 (tokens), got {prefill_chunk!r}")
-        if prefill_seconds is not None and (isinstance(prefill_seconds, bool)
-                                            or not isinstance(prefill_seconds, (int, float)) or not prefill_seconds > 0):
+        seconds_ok = isinstance(prefill_seconds, (int, float)) and not isinstance(prefill_seconds, bool)
+        if prefill_seconds is not None and not (seconds_ok and prefill_seconds > 0):
             raise InputError(f"prefill_seconds must be None or a number > 0 (seconds), got {prefill_seconds!r}")
         if runtime.exact and prefill_chunk is not None:     # every reading of a prompt runs the same forwards
             prefill_chunk = -(-prefill_chunk // exact.PREFILL_GRID) * exact.PREFILL_GRID

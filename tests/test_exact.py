@@ -172,7 +172,7 @@ def test_each_verify_row_of_an_exact_model_is_its_one_row_decode_with_the_triton
     under the interpreter here; and an engine built so takes it as the target's attention."""
     from graft_tk.kernels.exact_attention import exact_attention
     with exact_net(smollm2_bf16.net):
-        on = verify_rows_alone(smollm2_bf16.net, exact_attention, prompt=100, n=6)
+        on = verify_rows_alone(smollm2_bf16.net, exact_attention, prompt=40, n=5)
     assert all(on), on
     assert graft_tk.Engine(smollm2_bf16, None, backend="triton", exact=True).runtime.target_attention is exact_attention
 
@@ -213,7 +213,7 @@ def test_greedy_output_on_an_a8w8_target_equals_its_ar_in_exact_mode(exact_pair)
     mode makes what feeds them so; every method's output equals the a8w8 target's own ``ar``."""
     target = graft_tk.load_model("smollm2-135m", dtype="bf16", quant="a8w8", progress=False)
     drafter = exact_pair[1]
-    for text in [p.text for p in load_real_prompts()][:2]:
+    for text in [p.text for p in load_real_prompts()][:1]:
         want = graft_tk.decode(target, text, max_new_tokens=32, exact=True).tokens
         for method in ("graft", "pld"):
             got = graft_tk.decode(target, text, drafter=drafter, method=method, max_new_tokens=32, exact=True)

@@ -217,7 +217,8 @@ def time_split(metrics: Metrics) -> dict:
 def report(r: dict) -> None:
     split = ", ".join(f"{k} {v['seconds']:.1f} s" + (f" {v['tokens'] / v['seconds']:.1f} tok/s" if "tokens" in v
                                                      and v["seconds"] else "") for k, v in r["time_split"].items())
-    print(f"B={r['batch']} (max batch {r['max_batch']}) {r['method']:8s} {r['requests_per_s']:.3f} req/s {r['output_tokens_per_s']:.2f} tok/s "
+    print(f"B={r['batch']} (max batch {r['max_batch']}) {r['method']:8s} {r['requests_per_s']:.3f} req/s "
+          f"{r['output_tokens_per_s']:.2f} tok/s "
           f"p50 {r['latency_p50_s']:.1f} s p95 {r['latency_p95_s']:.1f} s first token p99 {r['ttft_p99_s']:.2f} s "
           f"per token p99 {r['token_p99_ms']:.0f} ms longest wait between chunks {r['chunk_wait_max_s']:.1f} s "
           f"peak batch {r['peak_batch']} {split}",
@@ -342,12 +343,14 @@ def main(argv: list[str] | None = None) -> int:
                                                     exact=args.exact).tokens)
                 seconds[name] += time.perf_counter() - t
         single = {m: tokens[m] / seconds[m] for m in methods}
-    lines = ["| B | max batch | method | requests/s | output tok/s | vs ar | p50 latency s | p95 latency s | first token p50 / "
-             "p99 s | per-token p50 / p99 ms | longest chunk wait s | peak batch | same tokens as ar |",
+    lines = ["| B | max batch | method | requests/s | output tok/s | vs ar | p50 latency s | p95 latency s | "
+             "first token p50 / p99 s | per-token p50 / p99 ms | longest chunk wait s | peak batch | "
+             "same tokens as ar |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["batch"], methods.index(r["method"]))):
         ar = next(x for x in rows if x["batch"] == r["batch"] and x["method"] == methods[0])
-        lines.append(f"| {r['batch']} | {r['max_batch']} | {r['method']} | {r['requests_per_s']:.3f} | {r['output_tokens_per_s']:.2f} | "
+        lines.append(f"| {r['batch']} | {r['max_batch']} | {r['method']} | {r['requests_per_s']:.3f} | "
+                     f"{r['output_tokens_per_s']:.2f} | "
                      f"{r['output_tokens_per_s'] / ar['output_tokens_per_s']:.2f}x | {r['latency_p50_s']:.1f} | "
                      f"{r['latency_p95_s']:.1f} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | "
                      f"{r['token_p50_ms']:.0f} / {r['token_p99_ms']:.0f} | {r['chunk_wait_max_s']:.1f} | "

@@ -7,11 +7,12 @@
 Up to --max-batch requests decode together (first come first served, continuous batching), with
 one engine whose adjacency matrix (retrieval's source) stays warm across requests; a prompt that
 arrives while others decode is read a chunk a step (--prefill-chunk, --prefill-seconds); up to
---max-queue wait, more get 429. Each finished request logs one line. SIGTERM (or Ctrl-C) stops accepting, lets requests
-in flight finish for --grace seconds, then cancels the rest: their clients get a 503 error (a
-stream as its last event) and the server exits 0. GET /metrics (Prometheus text): requests and
-tokens, time to first token and inter-token latency histograms, accepted tokens by source, steps
-by batch size and the nodes they verified per request (1: no speculation).
+--max-queue wait, more get 429. Each finished request logs one line. SIGTERM (or Ctrl-C) stops
+accepting, lets requests in flight finish for --grace seconds, then cancels the rest: their
+clients get a 503 error (a stream as its last event) and the server exits 0. GET /metrics
+(Prometheus text): requests and tokens, time to first token and inter-token latency histograms,
+accepted tokens by source, steps by batch size and the nodes they verified per request (1: no
+speculation).
 """
 from __future__ import annotations
 
