@@ -113,7 +113,7 @@ def logical_columns(block: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def exact_attention(q: Tensor, k: Tensor, v: Tensor, prefix: Tensor, block: Tensor | None, keys: int,
-                         scale: float | None = None, validate: bool = True) -> Tensor:
+                    scale: float | None = None, validate: bool = True) -> Tensor:
     """``graft_tk.reference.tree_attention`` (same arguments, same result to rounding) with each
     query's output bitwise what the call of that query alone gives at its logical position (see
     the module). A prompt chunk (``block`` None, T > 1) runs ``tree_attention``."""

@@ -19,11 +19,12 @@ Where the matmul runs:
   * CUDA: the Triton kernel ``graft_tk.kernels.quant_matmul`` (W4A16 / W8A16);
   * anywhere else: the torch reference.
 
-``a8w8`` (CPU): a 16-node verify of the 1.5B Qwen costs 2.3-2.8x a 1-row forward on a 2-core Zen 4
-without AMX (docs/benchmarks/2026-12-06-epyc-zen4.md), against 5.7x for int4 weight-only. Integer sums are exact, so a
-row's result never depends on the rows beside it; the activation's rounding to 8 bits does turn
-any other row-dependence upstream (attention) into different logits: speculation on an ``a8w8``
-target is token-identical to its plain decoding in exact mode (``exact=True``).
+``a8w8`` (CPU): a 16-node verify of the 1.5B Qwen costs 2.3-2.8x a 1-row forward on a 2-core
+Zen 4 without AMX (docs/benchmarks/2026-12-06-epyc-zen4.md), against 5.7x for int4 weight-only.
+Integer sums are exact, so a row's result never depends on the rows beside it; the activation's
+rounding to 8 bits does turn any other row-dependence upstream (attention) into different logits:
+speculation on an ``a8w8`` target is token-identical to its plain decoding in exact mode
+(``exact=True``).
 """
 from __future__ import annotations
 
