@@ -140,8 +140,8 @@ def measure(target, drafter, *, budget: int, top_k: int, prefill: int = 128, con
               else time_forward(model, n, context, repeats, compiled))
         wbytes, weights = linear_bytes_and_weights(model.net)
         mb = (wbytes + kv_bytes(model.net, context)) / 1e6
-        rows.append(RooflineRow(kind, model.name, n, compiled, round(ms, 2), round(mb, 1), round(mb / ms, 2),
-                                round(100 * mb / ms / bw, 1), round(mb / bw, 2), round(2 * n * weights / ms / 1e6, 1)))
+        figures = (ms, mb, mb / ms, 100 * mb / ms / bw, mb / bw, 2 * n * weights / ms / 1e6)
+        rows.append(RooflineRow(kind, model.name, n, compiled, *(float(f"{x:.4g}") for x in figures)))
     return bw, rows
 
 
