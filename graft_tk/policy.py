@@ -10,12 +10,16 @@ fixed plan (the config as it is: no host read, no learning); ``Controllers`` cha
   millisecond, with the device's cost model;
 * ``DraftGate`` (below): no drafting where the free sources already propose what the drafter would,
   and a copy verified as far as it is likely;
+* ``PlainCheck`` (below): a batch speculates only while it measurably commits more tokens per
+  second than plain decoding;
 * the batch-size policy, N, tau and D by the number of requests in flight, is a choice of config
   (``graft_tk.batch.Batch.plan``), planned by these like any other.
 
 The draft gate steers a request decoding alone (its situations are that request's). The cost
 policy steers batches too, one ``StepPolicy`` per batch size: the same rule with the batch's
-costs and rate, so at any size plain decoding is one of its choices (``SpecState.controller``).
+costs and rate, so at any size plain decoding is one of its choices; and since its estimates can
+be wrong for a batch, a ``PlainCheck`` per batch size holds it to plain decoding's measured rate
+(``SpecState.controller``).
 
 ``StepPolicy``: drafting depth and verify width chosen per step by expected gain (with a cost model).
 
@@ -134,6 +138,11 @@ class StepController:
     get accepted; reading it is a host read, so only a controller that uses it reads it."""
     wants_draft_rates = False     # the step's host read brings it ``Observation.draft_rates``
 
+    def prepare(self, plan: StepPlan) -> StepPlan:
+        """The plan before any source proposes (a step planned as plain decoding here skips their
+        work and the tree's build)."""
+        return plan
+
     def plan(self, plan: StepPlan, free: Tensor | None) -> StepPlan:
         return plan
 
@@ -144,6 +153,10 @@ class StepController:
     def observe(self, plan: StepPlan, seen: Observation) -> None:
         pass
 
+    def may_draft(self) -> bool:
+        """Whether the coming steps may run the drafter (if not, a new row's drafter read waits)."""
+        return True
+
 
 class Controllers(StepController):
     """Several controllers in turn: each refines the plan the one before left; the narrowest width."""
@@ -151,6 +164,11 @@ class Controllers(StepController):
     def __init__(self, *parts: StepController):
         self.parts = parts
         self.wants_draft_rates = any(p.wants_draft_rates for p in parts)
+
+    def prepare(self, plan: StepPlan) -> StepPlan:
+        for p in self.parts:
+            plan = p.prepare(plan)
+        return plan
 
     def plan(self, plan: StepPlan, free: Tensor | None) -> StepPlan:
         for p in self.parts:
@@ -163,6 +181,9 @@ class Controllers(StepController):
     def observe(self, plan: StepPlan, seen: Observation) -> None:
         for p in self.parts:
             p.observe(plan, seen)
+
+    def may_draft(self) -> bool:
+        return all(p.may_draft() for p in self.parts)
 
 
 class StepPolicy(StepController):
@@ -283,6 +304,60 @@ class StepPolicy(StepController):
             if self.exploring and not self.pays():      # a try that confirmed not drafting: wait longer
                 self.explore_every = min(2 * self.explore_every, EXPLORE_MAX)
             self.exploring = False
+
+
+class PlainCheck(StepController):
+    """Speculation against plain decoding, by what each measurably commits per second: a batch
+    speculates (as the controllers before this one plan it) while that is faster than plain
+    decoding, and otherwise decodes plainly, each step skipping the sources' work and the tree's
+    build. The arm not taken is tried every ``EXPLORE_EVERY``-th step at first, each try that
+    confirms the choice doubling the wait, up to ``EXPLORE_MAX`` steps; a try that changes it
+    resets it. Speculation goes first, until plain decoding is measured. A try of speculation
+    does not draft (the rows' drafters, unread while the batch decodes plainly, would read their
+    prompts inside that step: seconds for every row); once speculation is back the cost policy
+    tries drafting as it does. Times are measured online, so they change the speed, never the output.
+    Why measured and not estimated: the cost policy's choices rest on acceptance estimates that
+    a batch can overstate (4 rows on a 2-core Zen 4: steps verifying 2-3 nodes a row expected
+    >= 0.72 tokens from the rows' second nodes and got ~0.2, making 4.2-5.2 tokens per 264-300 ms
+    where plain decoding makes 4 per 197 ms)."""
+
+    SPECULATE, PLAIN = 0, 1
+
+    def __init__(self):
+        self.tokens, self.seconds = [0.0, 0.0], [0.0, 0.0]     # per arm, decayed per step
+        self.since, self.every = 0, EXPLORE_EVERY
+        self._tried: int | None = None       # this step tries the other arm than this best one
+
+    def best(self) -> int:
+        """The arm of the higher measured rate; speculation until both are measured."""
+        if not all(self.seconds):
+            return self.SPECULATE
+        return max((self.SPECULATE, self.PLAIN), key=lambda a: self.tokens[a] / self.seconds[a])
+
+    def prepare(self, plan: StepPlan) -> StepPlan:
+        if plan.budget == 1:
+            return plan
+        arm, self._tried = self.best(), None
+        self.since += 1
+        if self.since >= self.every:
+            self.since, self._tried, arm = 0, arm, 1 - arm
+        undrafted = (False,) * len(plan.drafts)
+        if arm == self.PLAIN:
+            return dataclasses.replace(plan, budget=1, drafts=undrafted)
+        return plan if self._tried is None else dataclasses.replace(plan, drafts=undrafted)
+
+    def observe(self, plan: StepPlan, seen: Observation) -> None:
+        arm = self.PLAIN if plan.budget == 1 else self.SPECULATE
+        for a in (self.SPECULATE, self.PLAIN):
+            self.tokens[a] *= RATE_DECAY
+            self.seconds[a] *= RATE_DECAY
+        self.tokens[arm] += seen.committed
+        self.seconds[arm] += seen.seconds
+        if self._tried is not None:
+            self.every = min(2 * self.every, EXPLORE_MAX) if self.best() == self._tried else EXPLORE_EVERY
+
+    def may_draft(self) -> bool:
+        return self.best() == self.SPECULATE
 
 
 class DraftGate(StepController):

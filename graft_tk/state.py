@@ -17,7 +17,7 @@ from .counters import host_read
 from .errors import InputError
 from .methods import Method
 from .ops import Ops
-from .policy import Controllers, DraftGate, StepController, StepPolicy
+from .policy import Controllers, DraftGate, PlainCheck, StepController, StepPolicy
 from .sources import CandidateSource, registered
 from .tree import BuiltTree
 
@@ -38,7 +38,7 @@ class SpecState:
         self.policy = (StepPolicy(config.cost, config.top_k, config.budget, fixed_width=fixed_width)
                        if config.cost is not None else None)
         self.fixed_width = fixed_width
-        self.batch_policies: dict[int, StepPolicy] = {}     # batch size -> its cost policy
+        self.batch_policies: dict[int, StepController] = {}     # batch size -> its cost policy (and plain check)
         # no drafting where the free sources already propose; a copy verified as far as it goes
         self.gate = DraftGate(0 if fixed_width or config.copy_budget <= config.budget else config.copy_budget)
         self.draft_rates = DraftRates(priors.draft if priors else None, device)   # P(accepted | drafter score)
@@ -95,7 +95,9 @@ class SpecState:
             B = len(methods)
             if B not in self.batch_policies:
                 c = self.config
-                self.batch_policies[B] = StepPolicy(c.cost, c.top_k, c.budget, fixed_width=self.fixed_width, rows=B)
+                policy = StepPolicy(c.cost, c.top_k, c.budget, fixed_width=self.fixed_width, rows=B)
+                # a compiled target's verify keeps one width: no plain steps between its trees
+                self.batch_policies[B] = policy if self.fixed_width else Controllers(policy, PlainCheck())
             return self.batch_policies[B]
         parts = [self.gate] if any(s.gates and methods[0].uses(s.name) for s in self.sources) else []
         if self.policy is not None:

@@ -144,6 +144,7 @@ def decode_step(runtime: Runtime, state: SpecState, controller: StepController, 
         if drafter is not None:     # a new row's drafter reads between the batch's steps
             waiting = waiting_rows(drafter, plan.drafts)
             plan = dataclasses.replace(plan, drafts=tuple(d and not w for d, w in zip(plan.drafts, waiting)))
+        plan = controller.prepare(plan)
         proposal = _propose(runtime, state, controller, rows, context, plan, clock)
         outcome = _verify_and_commit(runtime, state, rows, context, proposal, clock)
         seen = _settle(runtime, state, controller, rows, proposal, outcome, clock)

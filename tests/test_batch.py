@@ -8,9 +8,12 @@ import graft_tk
 from graft_tk.batch import decode_batch
 from graft_tk.bench.prompts import load_prompts
 from graft_tk.config import GraftConfig
+from graft_tk.cost import StepCost
 from graft_tk.decode import encode_prompt
 from graft_tk.engine import Engine
 from graft_tk.errors import InputError
+from graft_tk.methods import METHODS
+from graft_tk.policy import PlainCheck
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +92,16 @@ def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode(smollm2,
         assert batch.rows == [staying, leaving] and batch.prefilling is None and not batch.full
         reading = batch.add(long_ids, method, max_new_tokens=16)
         assert batch.prefilling.request is reading and batch.prefilling.tokens_read == 0 and len(batch) == 3
-        chunks, running = 0, leaving not in finished
+        chunks, running, chunk_steps = 0, leaving not in finished, []
         while batch.prefilling is not None:
             before = len(staying.out)
+            chunk_steps.append(len(staying.stats.per_step["drafter_forwards"]))
             finished += batch.step()
             chunks += 1
             assert len(staying.out) > before                 # it decodes while the prompt is read
         assert chunks == -(-len(long_ids) // 64) and leaving in finished
+        forwards = staying.stats.per_step["drafter_forwards"]
+        assert all(forwards[i] == 0 for i in chunk_steps[:-1])   # a step after a chunk does not draft
         assert running or method != "ar"                     # ar: one token a step, so it left mid-read
         assert batch.rows == [staying, reading] and len(reading.out) >= 1
         while len(batch):
@@ -265,6 +271,26 @@ def test_no_drafting_at_a_batch_size_then_drafting_again(smollm2, self_drafter, 
     shared, steps = len(a.stats.per_step["nodes"]), b.stats.per_step
     assert set(steps["drafter_forwards"][:shared]) == {0} and set(steps["nodes"][:shared]) == {4}
     assert steps["nodes"][shared:] and all(f >= 1 for f in steps["drafter_forwards"][shared:])
+
+
+def test_a_batch_slower_speculating_than_plain_decodes_plainly(smollm2, self_drafter, prompts, ar_alone, monkeypatch):
+    """Where plain decoding measures faster than the batch's speculation, its steps verify the root
+    alone (no sources, no drafter: a new row's drafter read waits too); speculation is still
+    tried now and then. Every answer equals `ar`'s."""
+    cost = StepCost(verify_ms=tuple(10.0 + n for n in range(16)), draft_ms=(4.0,) * 4, step_ms=1.0)
+    engine = Engine(smollm2, self_drafter, GraftConfig(cost=cost))
+    policy, check = engine.state.controller([METHODS["graft"]] * 4).parts
+    check.tokens, check.seconds = [1.0, 1000.0], [1.0, 0.1]      # plain measured far faster
+    monkeypatch.setattr(engine.runtime.drafter, "read", lambda *a: pytest.fail("the drafter read a prompt"))
+    batch = engine.batch(4)
+    rows = [batch.add(ids, "graft", max_new_tokens=24) for ids in prompts]
+    while len(batch) == 4:
+        batch.step()
+    nodes = rows[0].stats.per_step["nodes"]
+    assert nodes.count(1) >= len(nodes) - 2 and max(nodes) > 1          # a try of speculation among them
+    assert check.best() == PlainCheck.PLAIN
+    for r, ar in zip(rows, ar_alone):
+        assert r.out == ar[:len(r.out)]
 
 
 def test_the_plan_holds_the_largest_size_of_the_last_steps(smollm2, self_drafter, prompts, ar_alone):

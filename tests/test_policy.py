@@ -18,7 +18,8 @@ from graft_tk.errors import CorruptFileError, InputError
 from graft_tk.methods import METHODS
 from graft_tk.ops import ops_for
 from graft_tk.sources.prompt_lookup import NGRAM_CLASSES
-from graft_tk.policy import EXPLORE_EVERY, EXPLORE_MAX, DraftGate, Observation, RankedValues, StepPlan, StepPolicy
+from graft_tk.policy import (EXPLORE_EVERY, EXPLORE_MAX, DraftGate, Observation, PlainCheck, RankedValues, StepPlan,
+                             StepPolicy)
 from graft_tk.state import FIXED, SpecState
 from graft_tk.profiles import profile_key, read_profile, write_profile
 
@@ -267,6 +268,35 @@ def test_a_batch_speculates_only_as_far_as_its_measured_costs_pay():
     assert batch.width(plan, RankedValues(mixed)) == 1
 
 
+def test_a_batch_decodes_plainly_while_plain_decoding_commits_more_per_second():
+    plan = StepPlan.fixed([METHODS["graft"]] * 4, GraftConfig())
+    check = PlainCheck()
+
+    def run(steps: int, speculating: tuple[int, float], plain: tuple[int, float]) -> list[int]:
+        """``steps`` steps, each counted at its arm's (tokens, seconds); the budgets they verified."""
+        budgets = []
+        for _ in range(steps):
+            best, p = check.best(), check.prepare(plan)
+            assert p.budget in (1, plan.budget) and (p.budget > 1 or not p.drafting)
+            assert p.drafting == (p.budget > 1 and best == PlainCheck.SPECULATE)   # a try of it does not draft
+            committed, seconds = plain if p.budget == 1 else speculating
+            check.observe(p, Observation(committed, seconds, p.budget, (), p.drafting, 0, 0))
+            budgets.append(p.budget)
+        return budgets
+    # speculation slower (4.8 tokens per 0.28 s against 4 per 0.2 s): it is dropped after the
+    # first try of plain decoding, then tried again every 8, 16, 32, 64 steps
+    budgets = run(200, (5, 0.28), (4, 0.2))
+    assert budgets[:EXPLORE_EVERY - 1] == [16] * (EXPLORE_EVERY - 1) and budgets[EXPLORE_EVERY - 1] == 1
+    tries = [i for i, b in enumerate(budgets) if b > 1 and i >= EXPLORE_EVERY]
+    assert [b - a for a, b in zip(tries, tries[1:])][:4] == [16, 32, 64, 64]
+    assert not check.may_draft() and check.best() == PlainCheck.PLAIN
+    # the batch's speculation becomes faster: its next try brings it back, plain tried every 8th step
+    budgets = run(150, (9, 0.28), (4, 0.2))
+    assert check.best() == PlainCheck.SPECULATE and check.may_draft()
+    assert budgets[-8:].count(1) <= 1 and check.every <= EXPLORE_MAX
+    assert check.prepare(StepPlan.fixed([METHODS["ar"]] * 4, GraftConfig())).budget == 1   # nothing to decide
+
+
 def test_the_fixed_plan_follows_the_config_and_each_rows_method():
     config = GraftConfig(budget=3, max_depth=6, top_k=4, tau=0.5)
     plan = StepPlan.fixed([METHODS["ar"], METHODS["graft"], METHODS["tree"], METHODS["pld"]], config)
@@ -287,8 +317,10 @@ def test_the_state_chooses_a_requests_controllers_and_a_batch_runs_its_config():
     assert plain.controller([METHODS["graft"]]).parts == (plain.gate,)
     assert plain.controller([METHODS["graft-paper"]]) is FIXED
     assert state.controller([METHODS["tree"]]) is FIXED                            # it does not prune
-    two = state.controller([METHODS["graft"]] * 2)          # a batch: the cost policy of its size
-    assert isinstance(two, StepPolicy) and two.rows == 2 and state.controller([METHODS["graft"]] * 2) is two
+    two = state.controller([METHODS["graft"]] * 2)          # a batch: the cost policy of its size, held to plain's rate
+    policy, check = two.parts
+    assert isinstance(policy, StepPolicy) and policy.rows == 2 and isinstance(check, PlainCheck)
+    assert state.controller([METHODS["graft"]] * 2) is two
     assert plain.controller([METHODS["graft"]] * 2) is FIXED               # no cost model: its config
     assert state.controller([METHODS["tree"], METHODS["pld"]]) is FIXED    # no row prunes
     # the gate reads the free sources' signal only when the row would draft, and learns only then
