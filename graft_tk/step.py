@@ -332,4 +332,4 @@ def _settle(runtime: Runtime, state: SpecState, controller: StepController, rows
     return Observation(committed=0, seconds=0.0, verified=N, draft_widths=pool.widths,
                        drafted=any(f > 0 for f in pool.forwards), drafted_accepted=drafted_accepted,
                        drafted_verified=sum(nodes[b * S + DRAFT] for b in range(B)),
-                       draft_rates=rates or None)
+                       draft_rates=rates or None, expected=sum(exp), accepted=sum(n_path) - B)

@@ -297,6 +297,36 @@ def test_a_batch_decodes_plainly_while_plain_decoding_commits_more_per_second():
     assert check.prepare(StepPlan.fixed([METHODS["ar"]] * 4, GraftConfig())).budget == 1   # nothing to decide
 
 
+def test_a_batch_believes_its_estimates_as_far_as_its_nodes_are_accepted():
+    """A batch whose verified nodes get a fifth of what their estimates say verifies narrower (the
+    same values no longer pay for a wider verify); with nothing to check them against for a while
+    it believes them again. A request alone believes its estimates as they are."""
+    cost = StepCost(verify_ms=tuple(10.0 + 2 * max(n - 4, 0) for n in range(1, 17)), draft_ms=(), step_ms=0.0)
+    plan = StepPlan.fixed([METHODS["graft"]] * 4, GraftConfig(budget=16))
+    likely = RankedValues(torch.full((4, 16), math.log(0.9)))
+    batch = StepPolicy(cost, top_k=1, budget=16, rows=4)
+    wide = batch.width(plan, likely)
+    assert batch.belief == 1.0 and wide > 1
+
+    def observe(policy: StepPolicy, expected: float, accepted: int, verified: int = 4) -> None:
+        policy.observe(plan, Observation(4 + accepted, 0.1, verified, (), False, 0, 0, None, expected, accepted))
+    for _ in range(30):
+        observe(batch, expected=3.0, accepted=0)
+    assert batch.belief < 0.2 and batch.width(plan, likely) < wide
+    for _ in range(30):
+        observe(batch, expected=3.0, accepted=3)
+    assert batch.belief > 0.9
+    for _ in range(30):
+        observe(batch, expected=3.0, accepted=0)
+    for _ in range(100):                    # plain steps: nothing expected, nothing accepted
+        observe(batch, expected=0.0, accepted=0, verified=1)
+    assert batch.belief > 0.9
+    alone = StepPolicy(cost, top_k=1, budget=16)
+    for _ in range(30):
+        observe(alone, expected=3.0, accepted=0)
+    assert alone.belief == 1.0
+
+
 def test_the_fixed_plan_follows_the_config_and_each_rows_method():
     config = GraftConfig(budget=3, max_depth=6, top_k=4, tau=0.5)
     plan = StepPlan.fixed([METHODS["ar"], METHODS["graft"], METHODS["tree"], METHODS["pld"]], config)
