@@ -21,10 +21,8 @@ arrives while others decode is read by the next steps, at most that many tokens 
 read. With ``prefill_seconds`` too, a chunk is also at most what the batch's last prompt reads
 say it reads in that time (a slow device reads fewer tokens a step; the streams decoding wait
 that much longer for their next tokens, not more). One prompt is read at a time (the batch is
-``full`` meanwhile), so between two of their steps at most one chunk is read, and a step after
-a chunk (or after a new row's drafter read its prompt) does not draft: the streams wait for one
-read, not for a read and a drafting step. Without ``prefill_chunk`` (a library call) a prompt is
-read whole.
+``full`` meanwhile), so between two of their steps at most one chunk is read. Without
+``prefill_chunk`` (a library call) a prompt is read whole.
 
 Memory: without ``max_len`` the caches grow to the longest request so far and stay there (a
 library call, one process, one user). With ``max_len`` (graft-serve's ``--max-model-len``) they
@@ -33,7 +31,6 @@ and never grown: a longer request is refused, and a long request leaves nothing 
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from typing import Callable, Mapping, Sequence
@@ -167,12 +164,12 @@ class Batch:
         """One decode step for every request (after the next chunk of a prompt being read); returns
         those that finished (their rows freed)."""
         started, self.last_step = [], None
-        waited = self.prefilling is None and self._read_drafter()   # no prompt chunk: a drafter's read instead
+        if self.prefilling is None:
+            self._read_drafter()        # no prompt chunk this step: a new row's drafter reads instead
         if self.prefilling is not None:
             reading, chunk = self.prefilling, self.chunk()
             if self.rows and reading.tokens_read + chunk < reading.total:
                 self._read(reading, chunk)
-                waited = True
             else:            # its last chunk, or nothing decodes: read the rest and start it
                 self.prefilling = None
                 self._started(reading)
@@ -181,8 +178,6 @@ class Batch:
             return started
         size = len(self.rows)
         config = self.plan(max([size, *self._recent]) if self.hold else size)
-        if waited:      # the rows already waited for a read: no drafter forwards on top of it
-            config = dataclasses.replace(config, max_depth=0)
         self._recent.append(size)
         controller = self.state.controller([r.method for r in self.rows])
         self.last_step = decode_step(self.runtime, self.state, controller, self.rows, self.context, config)
@@ -208,24 +203,27 @@ class Batch:
         if (n := reading.tokens_read - before) >= 2 * CHUNK_MULTIPLE:
             self.read_rate = n / (time.perf_counter() - t)
 
-    def _read_drafter(self) -> bool:
+    def _read_drafter(self) -> None:
         """The first row waiting for its drafter's read (``drafting.waiting_rows``: it joined
-        rows that draft) reads its prompt, between steps, unless steps of this size never draft
-        or the batch's controllers decode plainly for now: inside a step every row would wait for
-        it, on top of a prompt chunk. Returns whether one read."""
+        rows that draft; or, where none has read, one that decoded without drafting: after plain
+        steps, a drafting step would read every row's prompt, ~1.3 s each on a 2-core Zen 4) reads
+        its prompt, between steps, unless steps of this size never draft or the batch's
+        controllers decode plainly for now: inside a step every row would wait for it, on top of
+        a prompt chunk."""
         drafter = self.runtime.drafter
         if drafter is None or self.plan(len(self.rows)).max_depth == 0:
-            return False
+            return
         if not self.state.controller([r.method for r in self.rows]).may_draft():
-            return False    # the batch decodes plainly for now: the read waits until it speculates again
-        waiting = waiting_rows(drafter, [r.method.drafts for r in self.rows])
-        if not any(waiting):
-            return False
-        b = waiting.index(True)
-        t = time.perf_counter()
-        drafter.read(b, self.context[b], self.rows[b].length, self.runtime.ops)
-        self.rows[b].stats.seconds["draft"] += time.perf_counter() - t
-        return True
+            return      # the batch decodes plainly for now: the read waits until it speculates again
+        drafts = [r.method.drafts for r in self.rows]
+        waiting = waiting_rows(drafter, drafts)
+        if not any(waiting):    # none has read: rows that decoded without their drafter read here too
+            waiting = [d and drafter.fresh(b) and r.stats.steps > 0 for b, (d, r) in enumerate(zip(drafts, self.rows))]
+        if any(waiting):
+            b = waiting.index(True)
+            t = time.perf_counter()
+            drafter.read(b, self.context[b], self.rows[b].length, self.runtime.ops)
+            self.rows[b].stats.seconds["draft"] += time.perf_counter() - t
 
     def plan(self, size: int) -> GraftConfig:
         """The config whose N, tau and D a step of ``size`` requests uses, from the policy."""

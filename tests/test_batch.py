@@ -92,16 +92,13 @@ def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode(smollm2,
         assert batch.rows == [staying, leaving] and batch.prefilling is None and not batch.full
         reading = batch.add(long_ids, method, max_new_tokens=16)
         assert batch.prefilling.request is reading and batch.prefilling.tokens_read == 0 and len(batch) == 3
-        chunks, running, chunk_steps = 0, leaving not in finished, []
+        chunks, running = 0, leaving not in finished
         while batch.prefilling is not None:
             before = len(staying.out)
-            chunk_steps.append(len(staying.stats.per_step["drafter_forwards"]))
             finished += batch.step()
             chunks += 1
             assert len(staying.out) > before                 # it decodes while the prompt is read
         assert chunks == -(-len(long_ids) // 64) and leaving in finished
-        forwards = staying.stats.per_step["drafter_forwards"]
-        assert all(forwards[i] == 0 for i in chunk_steps[:-1])   # a step after a chunk does not draft
         assert running or method != "ar"                     # ar: one token a step, so it left mid-read
         assert batch.rows == [staying, reading] and len(reading.out) >= 1
         while len(batch):
@@ -276,19 +273,40 @@ def test_no_drafting_at_a_batch_size_then_drafting_again(smollm2, self_drafter, 
 def test_a_batch_slower_speculating_than_plain_decodes_plainly(smollm2, self_drafter, prompts, ar_alone, monkeypatch):
     """Where plain decoding measures faster than the batch's speculation, its steps verify the root
     alone (no sources, no drafter: a new row's drafter read waits too); speculation is still
-    tried now and then. Every answer equals `ar`'s."""
+    tried now and then. When speculation is back, the rows' drafters read their prompts between
+    steps, one a step, never all inside one drafting step. Every answer equals `ar`'s."""
+    import graft_tk.batch
     cost = StepCost(verify_ms=tuple(10.0 + n for n in range(16)), draft_ms=(4.0,) * 4, step_ms=1.0)
     engine = Engine(smollm2, self_drafter, GraftConfig(cost=cost))
     policy, check = engine.state.controller([METHODS["graft"]] * 4).parts
     check.tokens, check.seconds = [1.0, 1000.0], [1.0, 0.1]      # plain measured far faster
-    monkeypatch.setattr(engine.runtime.drafter, "read", lambda *a: pytest.fail("the drafter read a prompt"))
+    stepping, reads, real_step, real_read = [False], [], graft_tk.batch.decode_step, engine.runtime.drafter.read
+
+    def decode_step(*args):
+        stepping[0] = True
+        try:
+            return real_step(*args)
+        finally:
+            stepping[0] = False
+
+    def read(*args):
+        reads.append(stepping[0])
+        return real_read(*args)
+    monkeypatch.setattr(graft_tk.batch, "decode_step", decode_step)
+    monkeypatch.setattr(engine.runtime.drafter, "read", read)
     batch = engine.batch(4)
     rows = [batch.add(ids, "graft", max_new_tokens=24) for ids in prompts]
-    while len(batch) == 4:
+    for _ in range(12):
         batch.step()
     nodes = rows[0].stats.per_step["nodes"]
-    assert nodes.count(1) >= len(nodes) - 2 and max(nodes) > 1          # a try of speculation among them
-    assert check.best() == PlainCheck.PLAIN
+    assert nodes.count(1) >= len(nodes) - 1 and max(nodes) > 1          # a try of speculation among them
+    assert check.best() == PlainCheck.PLAIN and reads == []              # no drafter read meanwhile
+    check.tokens, check.seconds = [1000.0, 1.0], [0.1, 1.0]      # now speculation measures faster
+    policy.drafted_accepted = 1e6                                 # and drafting pays
+    while len(batch) == 4:
+        batch.step()
+    assert reads and not any(reads)                     # read between steps, one a step
+    assert sum(f > 0 for f in rows[0].stats.per_step["drafter_forwards"]) > 0
     for r, ar in zip(rows, ar_alone):
         assert r.out == ar[:len(r.out)]
 

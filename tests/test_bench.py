@@ -314,3 +314,18 @@ def test_serve_load_open_loop_sends_on_a_seeded_poisson_schedule(smollm2, tmp_pa
     assert max(r["peak_batch"] for r in rows if r["batch"] == 2) == 2     # at 20 a second they overlap
     with pytest.raises(SystemExit):
         serve_load.main(["--model", "smollm2-135m", "--arrival-rate", "0"])
+
+
+def test_batch_decode_compares_methods_decoding_in_one_batch(tmp_path, capsys):
+    from bench import batch_decode
+    out = tmp_path / "batch.json"
+    assert batch_decode.main(["--model", "smollm2-135m", "--dtype", "fp32", "--drafter", "self:10", "--batch", "2",
+                              "--methods", "ar,graft", "--prompts", "humaneval#2", "--max-new-tokens", "6",
+                              "--rounds", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["ar", "graft"] and rows[0]["vs_first"] == 1.0
+    assert all(r["median"] > 0 for r in rows)
+    assert rows[0]["steps"]["speculating"] == rows[0]["steps"]["drafting"] == 0 and rows[0]["steps"]["plain"] >= 1
+    assert "| graft |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        batch_decode.main(["--methods", "ar,nonsense"])
