@@ -27,6 +27,28 @@ def prompts(smollm2):
     return [encode_prompt(smollm2, text, chat=True) for text in texts]
 
 
+def record_drafter_reads(monkeypatch, drafter) -> list[tuple[int, bool, bool]]:
+    """Every call of ``drafter.read`` from now on, as (row, inside a batch step?, did it read?)."""
+    import graft_tk.batch
+    stepping, calls = [False], []
+    real_step, real_read = graft_tk.batch.decode_step, drafter.read
+
+    def decode_step(*args):
+        stepping[0] = True
+        try:
+            return real_step(*args)
+        finally:
+            stepping[0] = False
+
+    def read(row, *args):
+        done = real_read(row, *args)
+        calls.append((row, stepping[0], done))
+        return done
+    monkeypatch.setattr(graft_tk.batch, "decode_step", decode_step)
+    monkeypatch.setattr(drafter, "read", read)
+    return calls
+
+
 @pytest.fixture(scope="module")
 def ar_alone(smollm2, prompts):
     return [graft_tk.decode(smollm2, ids, max_new_tokens=24).tokens for ids in prompts]
@@ -61,29 +83,12 @@ def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode(smollm2,
     C tokens each, in the row after theirs, and joins them once read; the others commit tokens meanwhile, one
     of them leaves (the prompt's row moves down with it), and every answer is plain decoding's (fp32).
     A drafting batch's new row reads its drafter's prompt between steps, never inside one."""
-    import graft_tk.batch
-    stepping, reads, real_step = [False], [], graft_tk.batch.decode_step
-
-    def decode_step(*args):
-        stepping[0] = True
-        try:
-            return real_step(*args)
-        finally:
-            stepping[0] = False
-
-    def read(row, *args):         # the drafter's prompt reads: (row, inside a step?)
-        done = real_read(row, *args)
-        if done:
-            reads.append((row, stepping[0]))
-        return done
     long_ids = encode_prompt(smollm2, "\n\n".join(p.text for p in load_prompts("humaneval")[:3]), chat=True)
     assert len(long_ids) > 3 * 64                            # several chunks of 64
     want = [graft_tk.decode(smollm2, ids, max_new_tokens=n).tokens
             for ids, n in ((prompts[2], 24), (prompts[3], 4), (long_ids, 16))]
     batch = Engine(smollm2, self_drafter).batch(3, prefill_chunk=64)
-    real_read = batch.runtime.drafter.read
-    monkeypatch.setattr(graft_tk.batch, "decode_step", decode_step)
-    monkeypatch.setattr(batch.runtime.drafter, "read", read)
+    calls = record_drafter_reads(monkeypatch, batch.runtime.drafter)
     with torch.inference_mode():
         staying = batch.add(prompts[2], method, max_new_tokens=24)     # nothing decodes: read at once
         leaving = batch.add(prompts[3], method, max_new_tokens=4)      # read by the next step
@@ -106,6 +111,7 @@ def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode(smollm2,
     assert [staying.out, leaving.out, reading.out] == want
     # graft: the first two started together and read in their first step, as alone would; the
     # one that joined rows already drafting read between two steps
+    reads = [(row, inside) for row, inside, done in calls if done]
     assert reads == ([(0, True), (1, True), (1, False)] if method == "graft" else []), reads
 
 
@@ -275,37 +281,23 @@ def test_a_batch_slower_speculating_than_plain_decodes_plainly(smollm2, self_dra
     alone (no sources, no drafter: a new row's drafter read waits too); speculation is still
     tried now and then. When speculation is back, the rows' drafters read their prompts between
     steps, one a step, never all inside one drafting step. Every answer equals `ar`'s."""
-    import graft_tk.batch
     cost = StepCost(verify_ms=tuple(10.0 + n for n in range(16)), draft_ms=(4.0,) * 4, step_ms=1.0)
     engine = Engine(smollm2, self_drafter, GraftConfig(cost=cost))
     policy, check = engine.state.controller([METHODS["graft"]] * 4).parts
     check.tokens, check.seconds = [1.0, 1000.0], [1.0, 0.1]      # plain measured far faster
-    stepping, reads, real_step, real_read = [False], [], graft_tk.batch.decode_step, engine.runtime.drafter.read
-
-    def decode_step(*args):
-        stepping[0] = True
-        try:
-            return real_step(*args)
-        finally:
-            stepping[0] = False
-
-    def read(*args):
-        reads.append(stepping[0])
-        return real_read(*args)
-    monkeypatch.setattr(graft_tk.batch, "decode_step", decode_step)
-    monkeypatch.setattr(engine.runtime.drafter, "read", read)
+    calls = record_drafter_reads(monkeypatch, engine.runtime.drafter)
     batch = engine.batch(4)
     rows = [batch.add(ids, "graft", max_new_tokens=24) for ids in prompts]
     for _ in range(12):
         batch.step()
     nodes = rows[0].stats.per_step["nodes"]
     assert nodes.count(1) >= len(nodes) - 1 and max(nodes) > 1          # a try of speculation among them
-    assert check.best() == PlainCheck.PLAIN and reads == []              # no drafter read meanwhile
+    assert check.best() == PlainCheck.PLAIN and calls == []              # no drafter read meanwhile
     check.tokens, check.seconds = [1000.0, 1.0], [0.1, 1.0]      # now speculation measures faster
     policy.drafted_accepted = 1e6                                 # and drafting pays
     while len(batch) == 4:
         batch.step()
-    assert reads and not any(reads)                     # read between steps, one a step
+    assert calls and not any(inside for _, inside, _ in calls)      # read between steps, one a step
     assert sum(f > 0 for f in rows[0].stats.per_step["drafter_forwards"]) > 0
     for r, ar in zip(rows, ar_alone):
         assert r.out == ar[:len(r.out)]
