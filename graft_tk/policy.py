@@ -142,11 +142,6 @@ class StepController:
     get accepted; reading it is a host read, so only a controller that uses it reads it."""
     wants_draft_rates = False     # the step's host read brings it ``Observation.draft_rates``
 
-    def prepare(self, plan: StepPlan) -> StepPlan:
-        """The plan before any source proposes (a step planned as plain decoding here skips their
-        work and the tree's build)."""
-        return plan
-
     def plan(self, plan: StepPlan, free: Tensor | None) -> StepPlan:
         return plan
 
@@ -168,11 +163,6 @@ class Controllers(StepController):
     def __init__(self, *parts: StepController):
         self.parts = parts
         self.wants_draft_rates = any(p.wants_draft_rates for p in parts)
-
-    def prepare(self, plan: StepPlan) -> StepPlan:
-        for p in self.parts:
-            plan = p.prepare(plan)
-        return plan
 
     def plan(self, plan: StepPlan, free: Tensor | None) -> StepPlan:
         for p in self.parts:
@@ -291,7 +281,10 @@ class StepPolicy(StepController):
 
     # ---------------------------------------------------------------- as a step controller
     def plan(self, plan: StepPlan, free: Tensor | None) -> StepPlan:
-        """Each pruning row's threshold from the cost of a drafter forward; no drafting when it does not pay."""
+        """Each pruning row's threshold from the cost of a drafter forward; no drafting when it does
+        not pay. A plain step (planned so before this controller) stays as it is."""
+        if plan.budget == 1:
+            return plan
         self.at_context(plan.context)
         log_tau = tuple(t if t == -math.inf else self.depth_log_tau(self.draft_rates, SCORE_EDGES, t)
                         for t in plan.log_tau)
@@ -330,15 +323,21 @@ class StepPolicy(StepController):
 
 
 class PlainCheck(StepController):
-    """Speculation against plain decoding, by what each measurably commits per second: a batch
-    speculates (as the controllers before this one plan it) while that is faster than plain
-    decoding, and otherwise decodes plainly, each step skipping the sources' work and the tree's
-    build. The arm not taken is tried every ``EXPLORE_EVERY``-th step at first, each try that
-    confirms the choice doubling the wait, up to ``EXPLORE_MAX`` steps; a try that changes it
-    resets it. Speculation goes first, until plain decoding is measured. A try of speculation
-    does not draft (the rows' drafters, unread while the batch decodes plainly, would read their
-    prompts inside that step: seconds for every row); once speculation is back the cost policy
-    tries drafting as it does. Times are measured online, so they change the speed, never the output.
+    """Speculation against plain decoding, by what each measurably commits per second, in each
+    situation of the batch: a batch speculates (as the controllers after this one plan it) where
+    that is faster than plain decoding, and otherwise decodes plainly, each step skipping the
+    drafter, the pool's sources and the tree's build. Situations are the draft gate's, told apart
+    by the expected free tokens of the batch's rows summed (``free``: prompt lookup's chains):
+    none, a match and a copy. A plain step costs the same in every situation, so plain decoding's
+    rate is one, measured over all of them; speculation's is measured per situation (4 rows on a
+    2-core Zen 4: steps copying a prompt made 22-23 tokens/s, steps of short open answers less
+    than plain decoding's 15). In each situation the arm not taken is tried every
+    ``EXPLORE_EVERY``-th step of it at first, each try that confirms the choice doubling the wait,
+    up to ``EXPLORE_MAX`` steps; a try that changes it resets it. Speculation goes first, until
+    both are measured. A try of speculation does not draft (the rows' drafters, unread while the
+    batch decodes plainly, would read their prompts inside that step: seconds for every row); once
+    speculation is back the cost policy tries drafting as it does. Times are measured online, so
+    they change the speed, never the output.
     Why measured and not estimated: the cost policy's choices rest on acceptance estimates that
     a batch can overstate (4 rows on a 2-core Zen 4: steps verifying 2-3 nodes a row expected
     >= 0.72 tokens from the rows' second nodes and got ~0.2, making 4.2-5.2 tokens per 264-300 ms
@@ -347,37 +346,49 @@ class PlainCheck(StepController):
     SPECULATE, PLAIN = 0, 1
 
     def __init__(self):
-        self.tokens, self.seconds = [0.0, 0.0], [0.0, 0.0]     # per arm, decayed per step
-        self.since, self.every = 0, EXPLORE_EVERY
-        self._tried: int | None = None       # this step tries the other arm than this best one
+        k = len(DraftGate.LEVELS) + 1
+        self.plain = [0.0, 0.0]                        # plain steps' committed tokens, seconds (decayed)
+        self.speculating = [[0.0, 0.0] for _ in range(k)]   # the same per situation
+        self.since, self.every = [0] * k, [EXPLORE_EVERY] * k
+        self.situation = 0                             # the last planned step's
+        self._tried: int | None = None                 # this step tries the other arm than this best one
+        self._asked = False                            # this step's plan asked the check
 
-    def best(self) -> int:
-        """The arm of the higher measured rate; speculation until both are measured."""
-        if not all(self.seconds):
+    def best(self, k: int | None = None) -> int:
+        """Situation ``k``'s arm of the higher measured rate (the last step's situation by default);
+        speculation until both are measured."""
+        spec = self.speculating[self.situation if k is None else k]
+        if not (spec[1] and self.plain[1]):
             return self.SPECULATE
-        return max((self.SPECULATE, self.PLAIN), key=lambda a: self.tokens[a] / self.seconds[a])
+        return self.SPECULATE if spec[0] / spec[1] >= self.plain[0] / self.plain[1] else self.PLAIN
 
-    def prepare(self, plan: StepPlan) -> StepPlan:
-        if plan.budget == 1:
+    def plan(self, plan: StepPlan, free: Tensor | None) -> StepPlan:
+        self._asked, self._tried = plan.budget > 1, None
+        if not self._asked:
             return plan
-        arm, self._tried = self.best(), None
-        self.since += 1
-        if self.since >= self.every:
-            self.since, self._tried, arm = 0, arm, 1 - arm
+        total = 0.0 if free is None else sum(host_read(free))
+        k = self.situation = sum(total >= level for level in DraftGate.LEVELS)
+        arm = self.best(k)
+        self.since[k] += 1
+        if self.since[k] >= self.every[k]:
+            self.since[k], self._tried, arm = 0, arm, 1 - arm
         undrafted = (False,) * len(plan.drafts)
         if arm == self.PLAIN:
             return dataclasses.replace(plan, budget=1, drafts=undrafted)
         return plan if self._tried is None else dataclasses.replace(plan, drafts=undrafted)
 
     def observe(self, plan: StepPlan, seen: Observation) -> None:
-        arm = self.PLAIN if plan.budget == 1 else self.SPECULATE
-        for a in (self.SPECULATE, self.PLAIN):
-            self.tokens[a] *= RATE_DECAY
-            self.seconds[a] *= RATE_DECAY
-        self.tokens[arm] += seen.committed
-        self.seconds[arm] += seen.seconds
+        if not self._asked:
+            return
+        for counts in (self.plain, *self.speculating):
+            counts[0] *= RATE_DECAY
+            counts[1] *= RATE_DECAY
+        counts = self.plain if plan.budget == 1 else self.speculating[self.situation]
+        counts[0] += seen.committed
+        counts[1] += seen.seconds
         if self._tried is not None:
-            self.every = min(2 * self.every, EXPLORE_MAX) if self.best() == self._tried else EXPLORE_EVERY
+            k = self.situation
+            self.every[k] = min(2 * self.every[k], EXPLORE_MAX) if self.best(k) == self._tried else EXPLORE_EVERY
 
     def may_draft(self) -> bool:
         return self.best() == self.SPECULATE

@@ -97,7 +97,7 @@ class SpecState:
                 c = self.config
                 policy = StepPolicy(c.cost, c.top_k, c.budget, fixed_width=self.fixed_width, rows=B)
                 # a compiled target's verify keeps one width: no plain steps between its trees
-                self.batch_policies[B] = policy if self.fixed_width else Controllers(policy, PlainCheck())
+                self.batch_policies[B] = policy if self.fixed_width else Controllers(PlainCheck(), policy)
             return self.batch_policies[B]
         parts = [self.gate] if any(s.gates and methods[0].uses(s.name) for s in self.sources) else []
         if self.policy is not None:

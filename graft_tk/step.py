@@ -26,8 +26,8 @@ Top to bottom, for the B rows at once:
 Shapes are the batch's: B rows, N nodes per tree (a row's unused places are padding, never
 accepted), so the device work of a step is the same program whatever the trees hold. Host reads:
 one per step, plus one per drafter depth when a row prunes, plus what the controller reads to
-decide (the draft gate: one; the cost policy's verify width: one, the tree is then built again
-at that width). ``StepCounters`` counts them, and the launches, per step.
+decide (the draft gate or a batch's plain check: one; the cost policy's verify width: one, the
+tree is then built again at that width). ``StepCounters`` counts them, and the launches, per step.
 """
 from __future__ import annotations
 
@@ -144,7 +144,6 @@ def decode_step(runtime: Runtime, state: SpecState, controller: StepController, 
         if drafter is not None:     # a new row's drafter reads between the batch's steps
             waiting = waiting_rows(drafter, plan.drafts)
             plan = dataclasses.replace(plan, drafts=tuple(d and not w for d, w in zip(plan.drafts, waiting)))
-        plan = controller.prepare(plan)
         proposal = _propose(runtime, state, controller, rows, context, plan, clock)
         outcome = _verify_and_commit(runtime, state, rows, context, proposal, clock)
         seen = _settle(runtime, state, controller, rows, proposal, outcome, clock)
@@ -185,9 +184,6 @@ def _propose(runtime: Runtime, state: SpecState, controller: StepController, row
     B, device, ops = len(rows), runtime.device, runtime.ops
     length = torch.tensor([r.length for r in rows], device=device)
     roots = context[:B].gather(1, (length - 1)[:, None])[:, 0]
-    if plan.budget == 1:                # plain decoding: the root alone
-        clock.lap("draft")
-        return Proposal(plan, _root_only(roots), DraftPool.empty(B, device), [])
     view = StepView(roots, context[:B], length)
 
     def propose(source: CandidateSource, view: StepView) -> tuple[CandidateSource, Candidates]:
@@ -196,9 +192,12 @@ def _propose(runtime: Runtime, state: SpecState, controller: StepController, row
         return source, cand._replace(tokens=torch.where(uses, cand.tokens, -1))
     # The sources that do not read the drafted pool propose first: their expected accepted
     # tokens are the controller's signal (the draft gate: whether the drafter is needed).
-    early = [propose(s, view) for s in state.sources if not s.reads_pool]
+    early = [propose(s, view) for s in state.sources if not s.reads_pool] if plan.budget > 1 else []
     signals = [e for s, c in early if s.gates and (e := s.expected_accepted(c)) is not None]
     plan = controller.plan(plan, torch.stack(signals).sum(0) if signals else None)
+    if plan.budget == 1:                # plain decoding: the root alone
+        clock.lap("draft")
+        return Proposal(plan, _root_only(roots), DraftPool.empty(B, device), [])
     pool = DraftPool.empty(B, device)
     if plan.drafting:
         pool = runtime.drafter.draft(DraftRequest(context[:B], [r.length for r in rows], list(plan.drafts),

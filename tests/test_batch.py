@@ -283,8 +283,9 @@ def test_a_batch_slower_speculating_than_plain_decodes_plainly(smollm2, self_dra
     steps, one a step, never all inside one drafting step. Every answer equals `ar`'s."""
     cost = StepCost(verify_ms=tuple(10.0 + n for n in range(16)), draft_ms=(4.0,) * 4, step_ms=1.0)
     engine = Engine(smollm2, self_drafter, GraftConfig(cost=cost))
-    policy, check = engine.state.controller([METHODS["graft"]] * 4).parts
-    check.tokens, check.seconds = [1.0, 1000.0], [1.0, 0.1]      # plain measured far faster
+    check, policy = engine.state.controller([METHODS["graft"]] * 4).parts
+    check.plain = [1000.0, 0.1]                                   # plain measured far faster
+    check.speculating = [[1.0, 1.0] for _ in check.speculating]
     calls = record_drafter_reads(monkeypatch, engine.runtime.drafter)
     batch = engine.batch(4)
     rows = [batch.add(ids, "graft", max_new_tokens=24) for ids in prompts]
@@ -293,7 +294,7 @@ def test_a_batch_slower_speculating_than_plain_decodes_plainly(smollm2, self_dra
     nodes = rows[0].stats.per_step["nodes"]
     assert nodes.count(1) >= len(nodes) - 1 and max(nodes) > 1          # a try of speculation among them
     assert check.best() == PlainCheck.PLAIN and calls == []              # no drafter read meanwhile
-    check.tokens, check.seconds = [1000.0, 1.0], [0.1, 1.0]      # now speculation measures faster
+    check.plain = [0.1, 1.0]                                      # now speculation measures faster
     policy.drafted_accepted = 1e6                                 # and drafting pays
     while len(batch) == 4:
         batch.step()

@@ -272,12 +272,14 @@ def test_a_batch_speculates_only_as_far_as_its_measured_costs_pay():
 def test_a_batch_decodes_plainly_while_plain_decoding_commits_more_per_second():
     plan = StepPlan.fixed([METHODS["graft"]] * 4, GraftConfig())
     check = PlainCheck()
+    none = torch.zeros(4)
 
-    def run(steps: int, speculating: tuple[int, float], plain: tuple[int, float]) -> list[int]:
+    def run(steps: int, speculating: tuple[int, float], plain: tuple[int, float], free: torch.Tensor = none) -> list[int]:
         """``steps`` steps, each counted at its arm's (tokens, seconds); the budgets they verified."""
         budgets = []
         for _ in range(steps):
-            best, p = check.best(), check.prepare(plan)
+            p = check.plan(plan, free)
+            best = check.best()
             assert p.budget in (1, plan.budget) and (p.budget > 1 or not p.drafting)
             assert p.drafting == (p.budget > 1 and best == PlainCheck.SPECULATE)   # a try of it does not draft
             committed, seconds = plain if p.budget == 1 else speculating
@@ -291,11 +293,19 @@ def test_a_batch_decodes_plainly_while_plain_decoding_commits_more_per_second():
     tries = [i for i, b in enumerate(budgets) if b > 1 and i >= EXPLORE_EVERY]
     assert [b - a for a, b in zip(tries, tries[1:])][:4] == [16, 32, 64, 64]
     assert not check.may_draft() and check.best() == PlainCheck.PLAIN
-    # the batch's speculation becomes faster: its next try brings it back, plain tried every 8th step
+    # a copy (the rows' free tokens summed >= 4) is a situation of its own: it speculates from its
+    # first step, while plain decoding's rate, measured in the others, is the one it compares with
+    copy = torch.tensor([0.0, 6.0, 0.0, 0.0])
+    budgets = run(40, (9, 0.28), (4, 0.2), free=copy)
+    assert check.situation == 2 and check.best() == PlainCheck.SPECULATE and check.may_draft()
+    assert budgets.count(1) <= 40 // EXPLORE_EVERY and budgets[0] == 16
+    assert check.best(0) == PlainCheck.PLAIN                  # where nothing copies, plain as learnt
+    # the batch's speculation becomes faster where nothing copies: its next try brings it back
     budgets = run(150, (9, 0.28), (4, 0.2))
     assert check.best() == PlainCheck.SPECULATE and check.may_draft()
-    assert budgets[-8:].count(1) <= 1 and check.every <= EXPLORE_MAX
-    assert check.prepare(StepPlan.fixed([METHODS["ar"]] * 4, GraftConfig())).budget == 1   # nothing to decide
+    assert budgets[-8:].count(1) <= 1 and max(check.every) <= EXPLORE_MAX
+    ar = StepPlan.fixed([METHODS["ar"]] * 4, GraftConfig())
+    assert check.plan(ar, copy).budget == 1                  # nothing to decide
 
 
 def test_a_batch_believes_its_estimates_as_far_as_its_nodes_are_accepted():
@@ -349,7 +359,7 @@ def test_the_state_chooses_a_requests_controllers_and_a_batch_runs_its_config():
     assert plain.controller([METHODS["graft-paper"]]) is FIXED
     assert state.controller([METHODS["tree"]]) is FIXED                            # it does not prune
     two = state.controller([METHODS["graft"]] * 2)          # a batch: the cost policy of its size, held to plain's rate
-    policy, check = two.parts
+    check, policy = two.parts
     assert isinstance(policy, StepPolicy) and policy.rows == 2 and isinstance(check, PlainCheck)
     assert state.controller([METHODS["graft"]] * 2) is two
     assert plain.controller([METHODS["graft"]] * 2) is FIXED               # no cost model: its config
