@@ -243,7 +243,9 @@ def test_drafting_that_lowers_the_rate_below_plain_decodings_does_not_confirm_it
     assert policy.rate == pytest.approx(4 / 200)
     drafted = []
     for _ in range(3 * EXPLORE_EVERY):         # each drafting step: 6 forwards of 4 x 4 nodes, 9 drafted nodes accepted
+        may = policy.may_draft()                # (what lets a row's drafter read its prompt before the step)
         drafted.append(policy.should_draft())
+        assert may == drafted[-1]
         policy.count(committed=13 if drafted[-1] else 4, verified=1, draft_widths=(4,) * 6 if drafted[-1] else (),
                      drafted=drafted[-1], drafted_accepted=9 if drafted[-1] else 0)
         assert policy.rate >= 4 / 200
