@@ -204,21 +204,23 @@ class Batch:
             self.read_rate = n / (time.perf_counter() - t)
 
     def _read_drafter(self) -> None:
-        """The first row waiting for its drafter's read (``drafting.waiting_rows``: it joined
-        rows that draft; or, where none has read, one that decoded without drafting: after plain
-        steps, a drafting step would read every row's prompt, ~1.3 s each on a 2-core Zen 4) reads
-        its prompt, between steps, unless steps of this size never draft or the batch's
-        controllers decode plainly for now: inside a step every row would wait for it, on top of
-        a prompt chunk."""
+        """Between steps, the first row waiting for its drafter's read (``drafting.waiting_rows``:
+        it joined rows that draft; or, where none has read, one that decoded without drafting)
+        reads its prompt, if the next step would draft (the batch's controllers'
+        ``may_draft``; never where steps of this size do not draft). Inside a step every row
+        would wait for it, on top of a prompt chunk (after plain steps, a drafting step read
+        every row's prompt: ~1.3 s each on a 2-core Zen 4); and a read the batch then does not
+        draft from is lost."""
         drafter = self.runtime.drafter
         if drafter is None or self.plan(len(self.rows)).max_depth == 0:
             return
         if not self.state.controller([r.method for r in self.rows]).may_draft():
-            return      # the batch decodes plainly for now: the read waits until it speculates again
+            return
         drafts = [r.method.drafts for r in self.rows]
         waiting = waiting_rows(drafter, drafts)
         if not any(waiting):    # none has read: rows that decoded without their drafter read here too
-            waiting = [d and drafter.fresh(b) and r.stats.steps > 0 for b, (d, r) in enumerate(zip(drafts, self.rows))]
+            waiting = [d and drafter.fresh(b) and r.stats.steps > 0
+                       for b, (d, r) in enumerate(zip(drafts, self.rows))]
         if any(waiting):
             b = waiting.index(True)
             t = time.perf_counter()

@@ -41,7 +41,9 @@ cost model (``graft_tk.cost.StepCost``) and the acceptance estimates (``graft_tk
   retrieval and prompt-lookup candidates alone, and every ``EXPLORE_EVERY``-th step drafts anyway
   to notice when the drafter becomes worth it again (a skipped drafter catches up on the tokens
   it missed in its next forward); each such try that does not pay doubles the wait, up to
-  ``EXPLORE_MAX`` steps (at 4 rows on a 2-core CPU a try costs ~1 s against 0.25 s for a step).
+  ``EXPLORE_MAX`` steps. A batch of B rows waits B times as long (its drafting step runs the
+  drafter over every row: at 4 rows on a 2-core Zen 4 a try costs ~1-1.5 s against ~0.25 s for
+  a plain step, and in a graft-serve run the tries of sizes 2-4 ran at a third of plain's rate).
 * width: of the tree built at the budget N, the verify takes the n likeliest nodes (root
   included) that maximise the tokens they are expected to add minus R times ``verify_ms[n - 1]``:
   where the verify is flat every node with any chance pays, where it is steep only the likely
@@ -205,11 +207,12 @@ class StepPolicy(StepController):
         self.tokens, self.ms = PRIOR_STEPS * rows, PRIOR_STEPS * rows / self.plain_rate
         # drafting steps: drafted nodes accepted, and ms spent (forwards + the drafted nodes' verify
         # rows). A request alone starts drafting (one node per forward); a batch waits for its first
-        # try (4 rows on a 2-core Zen 4: a drafting step ~0.9 s against 0.2 s for a plain one)
+        # try (4 rows on a 2-core Zen 4: a drafting step ~0.9-1.5 s against 0.25 s for a plain one)
         self.drafted_accepted = PRIOR_STEPS * rows if rows == 1 else 0.0
         self.drafting_ms = PRIOR_STEPS * (cost.draft(1) + self.row_ms) if cost.draft_ms else 0.0
         self.steps_without_drafting = 0
-        self.explore_every, self.exploring = EXPLORE_EVERY, False   # the wait between tries; this step is one
+        self.explore_first, self.explore_max = EXPLORE_EVERY * rows, EXPLORE_MAX * rows   # a try's cost grows with rows
+        self.explore_every, self.exploring = self.explore_first, False   # the wait between tries; this step is one
         # a batch's nodes accepted and expected (decayed; equal priors): ``belief`` scales the estimates
         self.accepted = self.expected = BELIEF_PRIOR / (1 - RATE_DECAY)
 
@@ -233,7 +236,7 @@ class StepPolicy(StepController):
         if not self.cost.draft_ms:
             return True
         if self.pays():
-            self.explore_every, self.exploring = EXPLORE_EVERY, False
+            self.explore_every, self.exploring = self.explore_first, False
             return True
         self.exploring = self.steps_without_drafting + 1 >= self.explore_every
         return self.exploring
@@ -324,7 +327,7 @@ class StepPolicy(StepController):
             self.drafted_accepted = RATE_DECAY * self.drafted_accepted + drafted_accepted
             self.drafting_ms = RATE_DECAY * self.drafting_ms + drafting_ms + self.row_ms * drafted_verified / self.rows
             if self.exploring and not self.pays():      # a try that confirmed not drafting: wait longer
-                self.explore_every = min(2 * self.explore_every, EXPLORE_MAX)
+                self.explore_every = min(2 * self.explore_every, self.explore_max)
             self.exploring = False
 
 

@@ -242,15 +242,16 @@ def test_drafting_that_lowers_the_rate_below_plain_decodings_does_not_confirm_it
     policy = StepPolicy(cost, top_k=4, budget=16, rows=4)
     assert policy.rate == pytest.approx(4 / 200)
     drafted = []
-    for _ in range(3 * EXPLORE_EVERY):         # each drafting step: 6 forwards of 4 x 4 nodes, 9 drafted nodes accepted
+    for _ in range(12 * EXPLORE_EVERY):        # each drafting step: 6 forwards of 4 x 4 nodes, 9 drafted nodes accepted
         may = policy.may_draft()                # (what lets a row's drafter read its prompt before the step)
         drafted.append(policy.should_draft())
         assert may == drafted[-1]
         policy.count(committed=13 if drafted[-1] else 4, verified=1, draft_widths=(4,) * 6 if drafted[-1] else (),
                      drafted=drafted[-1], drafted_accepted=9 if drafted[-1] else 0)
         assert policy.rate >= 4 / 200
-    # a batch waits for its first try; the try does not pay (9 nodes < R x 720 ms = 14.4), so the next waits twice as long
-    assert [i for i, d in enumerate(drafted) if d] == [EXPLORE_EVERY - 1, 3 * EXPLORE_EVERY - 1]
+    # a batch waits for its first try, 4 rows 4 x EXPLORE_EVERY steps; the try does not pay (9 nodes
+    # < R x 720 ms = 14.4), so the next waits twice as long
+    assert [i for i, d in enumerate(drafted) if d] == [4 * EXPLORE_EVERY - 1, 12 * EXPLORE_EVERY - 1]
 
 
 def test_a_batch_speculates_only_as_far_as_its_measured_costs_pay():
