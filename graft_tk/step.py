@@ -191,7 +191,8 @@ def _propose(runtime: Runtime, state: SpecState, controller: StepController, row
         uses = torch.tensor([r.method.uses(source.name) for r in rows], device=device)[:, None]
         return source, cand._replace(tokens=torch.where(uses, cand.tokens, -1))
     # The sources that do not read the drafted pool propose first: their expected accepted
-    # tokens are the controller's signal (the draft gate: whether the drafter is needed).
+    # tokens are the controller's signal (the draft gate: whether the drafter is needed; a batch's
+    # plain check: whether to speculate at all).
     early = [propose(s, view) for s in state.sources if not s.reads_pool] if plan.budget > 1 else []
     signals = [e for s, c in early if s.gates and (e := s.expected_accepted(c)) is not None]
     plan = controller.plan(plan, torch.stack(signals).sum(0) if signals else None)
