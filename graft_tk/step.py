@@ -131,9 +131,10 @@ class Prefill:
 
 
 def decode_step(runtime: Runtime, state: SpecState, controller: StepController, rows: list[Request],
-                context: Tensor, config: GraftConfig) -> StepRecord:
+                context: Tensor, config: GraftConfig, may_draft: bool = True) -> StepRecord:
     """One step of every request in ``rows`` (cache rows 0 .. B - 1, ``context`` [B, L] their
-    committed tokens) at ``config``'s N, tau and D as ``controller`` plans them; see the module docstring."""
+    committed tokens) at ``config``'s N, tau and D as ``controller`` plans them (``may_draft``
+    False: no row drafts); see the module docstring."""
     counters = StepCounters(count_torch_ops=runtime.count_torch_ops)
     t0, committed_before = time.perf_counter(), sum(len(r.out) for r in rows)
     with counting(counters), runtime.kv.rows(0, len(rows)):
@@ -143,7 +144,8 @@ def decode_step(runtime: Runtime, state: SpecState, controller: StepController, 
         plan = StepPlan.fixed([r.method for r in rows], config, max(r.length for r in rows), unread)
         if drafter is not None:     # a new row's drafter reads between the batch's steps
             waiting = waiting_rows(drafter, plan.drafts)
-            plan = dataclasses.replace(plan, drafts=tuple(d and not w for d, w in zip(plan.drafts, waiting)))
+            plan = dataclasses.replace(plan, drafts=tuple(d and not w and may_draft
+                                                          for d, w in zip(plan.drafts, waiting)))
         proposal = _propose(runtime, state, controller, rows, context, plan, clock)
         outcome = _verify_and_commit(runtime, state, rows, context, proposal, clock)
         seen = _settle(runtime, state, controller, rows, proposal, outcome, clock)

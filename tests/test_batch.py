@@ -27,25 +27,33 @@ def prompts(smollm2):
     return [encode_prompt(smollm2, text, chat=True) for text in texts]
 
 
-def record_drafter_reads(monkeypatch, drafter) -> list[tuple[int, bool, bool]]:
-    """Every call of ``drafter.read`` from now on, as (row, inside a batch step?, did it read?)."""
+def record_drafter_reads(monkeypatch, drafter, order: list[str] | None = None) -> list[tuple[int, bool, bool]]:
+    """Every call of ``drafter.read`` from now on, as (row, inside a batch step?, did it read?);
+    ``order`` gets "read", "draft" and "step" (a step's end) in the order they happen."""
     import graft_tk.batch
-    stepping, calls = [False], []
-    real_step, real_read = graft_tk.batch.decode_step, drafter.read
+    stepping, calls, order = [False], [], [] if order is None else order
+    real_step, real_read, real_draft = graft_tk.batch.decode_step, drafter.read, drafter.draft
 
-    def decode_step(*args):
+    def decode_step(*args, **kwargs):
         stepping[0] = True
         try:
-            return real_step(*args)
+            return real_step(*args, **kwargs)
         finally:
             stepping[0] = False
+            order.append("step")
 
     def read(row, *args):
         done = real_read(row, *args)
         calls.append((row, stepping[0], done))
+        order.append("read")
         return done
+
+    def draft(*args):
+        order.append("draft")
+        return real_draft(*args)
     monkeypatch.setattr(graft_tk.batch, "decode_step", decode_step)
     monkeypatch.setattr(drafter, "read", read)
+    monkeypatch.setattr(drafter, "draft", draft)
     return calls
 
 
@@ -263,8 +271,9 @@ def test_a_batch_that_never_speculates_skips_the_drafters_pass_and_ms_warm_up(sm
 
 def test_no_drafting_at_a_batch_size_then_drafting_again(smollm2, self_drafter, prompts, ar_alone):
     """Policy {2: N = 4, D = 0}: while two requests share the batch they speculate without the
-    drafter (retrieval only: no drafter forward, 4-node trees); alone again, the long one drafts,
-    its drafter catching up on what it missed. Both equal their `ar` decodes."""
+    drafter (retrieval only: no drafter forward, 4-node trees); alone again, the long one's drafter
+    reads its prompt between steps and it drafts from the step after the next (a step right after
+    a read does not draft). Both equal their `ar` decodes."""
     batch = Engine(smollm2, self_drafter).batch(2, policy={2: GraftConfig(budget=4, max_depth=0)})
     a = batch.add(prompts[0], "graft-paper", max_new_tokens=6)
     b = batch.add(prompts[1], "graft-paper", max_new_tokens=24)
@@ -273,7 +282,8 @@ def test_no_drafting_at_a_batch_size_then_drafting_again(smollm2, self_drafter, 
     assert a.out == ar_alone[0][:6] and b.out == ar_alone[1]
     shared, steps = len(a.stats.per_step["nodes"]), b.stats.per_step
     assert set(steps["drafter_forwards"][:shared]) == {0} and set(steps["nodes"][:shared]) == {4}
-    assert steps["nodes"][shared:] and all(f >= 1 for f in steps["drafter_forwards"][shared:])
+    assert steps["drafter_forwards"][shared] == 0
+    assert steps["nodes"][shared + 1:] and all(f >= 1 for f in steps["drafter_forwards"][shared + 1:])
 
 
 def test_a_batch_slower_speculating_than_plain_decodes_plainly(smollm2, self_drafter, prompts, ar_alone, monkeypatch):
@@ -286,7 +296,8 @@ def test_a_batch_slower_speculating_than_plain_decodes_plainly(smollm2, self_dra
     check, policy = engine.state.controller([METHODS["graft"]] * 4).parts
     check.plain = [1000.0, 0.1]                                   # plain measured far faster
     check.speculating = [[1.0, 1.0] for _ in check.speculating]
-    calls = record_drafter_reads(monkeypatch, engine.runtime.drafter)
+    order: list[str] = []
+    calls = record_drafter_reads(monkeypatch, engine.runtime.drafter, order)
     batch = engine.batch(4)
     rows = [batch.add(ids, "graft", max_new_tokens=24) for ids in prompts]
     for _ in range(12):
@@ -299,6 +310,8 @@ def test_a_batch_slower_speculating_than_plain_decodes_plainly(smollm2, self_dra
     while len(batch) == 4:
         batch.step()
     assert calls and not any(inside for _, inside, _ in calls)      # read between steps, one a step
+    after_read = [order[i + 1] for i, e in enumerate(order[:-1]) if e == "read"]
+    assert after_read and set(after_read) == {"step"}                 # the step after a read does not draft
     assert sum(f > 0 for f in rows[0].stats.per_step["drafter_forwards"]) > 0
     for r, ar in zip(rows, ar_alone):
         assert r.out == ar[:len(r.out)]

@@ -379,10 +379,10 @@ def test_a_failing_step_fails_only_the_request_that_made_it_fail(smollm2, batche
     import graft_tk.batch
     real_step = graft_tk.batch.decode_step
 
-    def poisoned(runtime, state, controller, rows, context, config):
+    def poisoned(runtime, state, controller, rows, context, config, **kwargs):
         if any(r.on_tokens.__self__.request.max_tokens == 13 for r in rows):
             raise RuntimeError("poisoned step")
-        return real_step(runtime, state, controller, rows, context, config)
+        return real_step(runtime, state, controller, rows, context, config, **kwargs)
     monkeypatch.setattr(graft_tk.batch, "decode_step", poisoned)
 
     def ask(i):
