@@ -209,11 +209,11 @@ class Batch:
     def _read_drafter(self) -> bool:
         """Between steps, the first row waiting for its drafter's read (``drafting.waiting_rows``:
         it joined rows that draft; or, where none has read, one that decoded without drafting)
-        reads its prompt, if the next step would draft (the batch's controllers'
-        ``may_draft``; never where steps of this size do not draft). Inside a step every row
-        would wait for it, on top of a prompt chunk (after plain steps, a drafting step read
-        every row's prompt: ~1.3 s each on a 2-core Zen 4); and a read the batch then does not
-        draft from is lost. Returns whether a row read."""
+        reads its prompt, if drafting is due (the batch's controllers' ``may_draft``; never
+        where steps of this size do not draft). Inside a step every row would wait for it, on
+        top of a prompt chunk (after plain steps, a drafting step read every row's prompt: ~1.3 s
+        each on a 2-core Zen 4); and a read the batch then does not draft from is lost. Returns
+        whether a row read (the step after it then does not draft)."""
         drafter = self.runtime.drafter
         if drafter is None or self.plan(len(self.rows)).max_depth == 0:
             return False

@@ -242,9 +242,9 @@ class StepPolicy(StepController):
         return self.exploring
 
     def may_draft(self) -> bool:
-        """Whether the next step would run the drafter (it pays, or a try is due): only then does a
-        batch's row whose drafter has read nothing read its prompt, between steps (a row of a
-        long prompt: ~1.3 s on a 2-core Zen 4, lost where the batch then does not draft)."""
+        """Whether drafting is due (it pays, or a try is): only then does a batch's row whose
+        drafter has read nothing read its prompt, between steps (a row of a long prompt: ~1.3 s
+        on a 2-core Zen 4, lost where the batch then does not draft)."""
         return not self.cost.draft_ms or self.pays() or self.steps_without_drafting + 1 >= self.explore_every
 
     def pays(self) -> bool:
