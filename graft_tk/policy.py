@@ -238,14 +238,18 @@ class StepPolicy(StepController):
         if self.pays():
             self.explore_every, self.exploring = self.explore_first, False
             return True
-        self.exploring = self.steps_without_drafting + 1 >= self.explore_every
+        self.exploring = self.try_due()
         return self.exploring
+
+    def try_due(self) -> bool:
+        """Whether the next step is a try of drafting (it has waited ``explore_every`` steps)."""
+        return self.steps_without_drafting + 1 >= self.explore_every
 
     def may_draft(self) -> bool:
         """Whether drafting is due (it pays, or a try is): only then does a batch's row whose
         drafter has read nothing read its prompt, between steps (a row of a long prompt: ~1.3 s
         on a 2-core Zen 4, lost where the batch then does not draft)."""
-        return not self.cost.draft_ms or self.pays() or self.steps_without_drafting + 1 >= self.explore_every
+        return not self.cost.draft_ms or self.pays() or self.try_due()
 
     def pays(self) -> bool:
         """Whether the drafted nodes accepted pay for what the drafting steps spent on them (both
@@ -375,8 +379,7 @@ class PlainCheck(StepController):
         self._asked, self._tried = plan.budget > 1, None
         if not self._asked:
             return plan
-        total = 0.0 if free is None else sum(host_read(free))
-        k = self.situation = sum(total >= level for level in DraftGate.LEVELS)
+        k = self.situation = DraftGate.situation(0.0 if free is None else sum(host_read(free)))
         arm = self.best(k)
         self.since[k] += 1
         if self.since[k] >= self.every[k]:
@@ -477,7 +480,7 @@ class DraftGate(StepController):
 
     def arm(self, free: float, unread: bool = False) -> int:
         """This step's arm. ``unread``: the drafter would first read this request's long prompt."""
-        k = self._last = sum(free >= level for level in self.LEVELS)
+        k = self._last = self.situation(free)
         self._tried = None
         arms = self.arms[k]
         best = self.best(k)
@@ -490,6 +493,11 @@ class DraftGate(StepController):
             self.turn[k] += 1
             return others[(self.turn[k] - 1) % len(others)]
         return best
+
+    @classmethod
+    def situation(cls, free: float) -> int:
+        """The situation of ``free`` expected free tokens: 0 none, 1 a match, 2 a copy."""
+        return sum(free >= level for level in cls.LEVELS)
 
     def drafts(self, free: float, unread: bool = False) -> bool:
         """Draft this step? (``arm`` is DRAFTING)"""
