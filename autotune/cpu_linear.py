@@ -52,7 +52,7 @@ def shapes_of(net: torch.nn.Module) -> list[dict]:
     """Every (format, n, k) with more than one path among a CPU model's linear layers (the tied
     LM head included), at every width of ``cpu_paths.WIDTHS``."""
     unique = dict.fromkeys((fmt, n, k) for _, _, fmt, n, k in cpu_paths.layers(net)
-                           if len(cpu_paths.candidates(fmt)) > 1)
+                           if len(cpu_paths.candidates(fmt, n)) > 1)
     return [dict(format=f, n=n, k=k, rows=r) for f, n, k in unique for r in cpu_paths.WIDTHS]
 
 
@@ -63,7 +63,7 @@ def tune_model(model, path=None, *, prefix: int = 200, repeats: int = 3, progres
     Returns the entries written.
     ``progress(width, {path: ms})`` is called after each width. Clobbers the KV cache."""
     net = model.net
-    tuned = [(holder, attr) for holder, attr, fmt, _, _ in cpu_paths.layers(net) if len(cpu_paths.candidates(fmt)) > 1]
+    tuned = [(holder, attr) for holder, attr, fmt, n, _ in cpu_paths.layers(net) if len(cpu_paths.candidates(fmt, n)) > 1]
     shapes = sorted({(s["format"], s["n"], s["k"]) for s in shapes_of(net)})
     saved = [getattr(holder, attr) for holder, attr in tuned]
     with torch.inference_mode():
@@ -97,7 +97,7 @@ TUNABLE = Tunable(
     name=cpu_paths.KERNEL,
     kernel=cpu_paths,          # the module's source is hashed: editing a path invalidates its entries
     bucket=cpu_paths.bucket,
-    configs=lambda bucket: [{"path": p} for p in cpu_paths.candidates(parse_bucket(bucket)["format"])],
+    configs=lambda bucket: [{"path": p} for p in cpu_paths.candidates(parse_bucket(bucket)["format"], parse_bucket(bucket)["n"])],
     heuristic=lambda bucket: {"path": cpu_paths.heuristic(parse_bucket(bucket)["format"], parse_bucket(bucket)["rows"])},
     benchmark=benchmark,
     device="cpu",

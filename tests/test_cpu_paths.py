@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from graft_tk.autotune import AutotuneWarning, cache, tuner
 from graft_tk.cli import autotune as cli
 from graft_tk.models import cpu_paths
+from graft_tk.models.quant import QuantLinear
 from graft_tk.models.transformer import Linear
 
 from .tolerances import QUANT_MATMUL_TOL
@@ -28,7 +29,7 @@ def test_blocks_multiply_the_same_weights_as_f_linear(monkeypatch):
     monkeypatch.setattr(cpu_paths, "BLOCK_ELEMENTS", 5 * 64)
     torch.manual_seed(0)
     layer = Linear(64, 23, bias=True, dtype=torch.bfloat16).requires_grad_(False)
-    layer.paths = ("native",) * 4 + ("blocks",) * 4          # blocks from 16 rows
+    layer.paths = ("native",) * 4 + ("blocks",) * 5          # blocks from 16 rows
     x = torch.randn(2, 9, 64).to(torch.bfloat16)              # 18 rows: blocks
     want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     rtol, atol = QUANT_MATMUL_TOL[torch.bfloat16]
@@ -38,6 +39,29 @@ def test_blocks_multiply_the_same_weights_as_f_linear(monkeypatch):
     assert y.data_ptr() != cpu_paths._scratch.buf.data_ptr()
     narrow = x[0, :4]
     assert torch.equal(layer(narrow), F.linear(narrow, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_blocks_multiply_the_weights_the_packed_kernel_holds(monkeypatch, dtype):
+    """An int4 layer in blocks (here 64 output rows a block, 3 blocks) rebuilds torch's packed
+    weight: the kernel's own result within the scratch's rounding (fp32: the float sums'; bf16:
+    the rebuilt weight's), the bias added; a layer whose rows are not whole blocks of 64 has
+    only the packed kernel, and this torch's packing is the one the path reads."""
+    assert cpu_paths.int4_layout_known()
+    monkeypatch.setattr(cpu_paths, "BLOCK_ELEMENTS", 64 * 96)
+    torch.manual_seed(0)
+    layer = QuantLinear.from_float(torch.randn(192, 96), torch.randn(192), "int4", dtype)
+    x = torch.randn(3, 7, 96).to(dtype)
+    native = layer(x)
+    layer.paths = ("blocks",) * len(cpu_paths.WIDTHS)
+    y = layer(x)
+    want = F.linear(x.float(), layer.dequantized().float(), layer.bias.float())
+    assert y.dtype == dtype and y.shape == (3, 7, 192) and y.data_ptr() != cpu_paths._scratch.buf.data_ptr()
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    assert (y.float() - want).abs().max() <= tol * want.abs().max()
+    assert (native.float() - want).abs().max() <= tol * want.abs().max()
+    assert cpu_paths.candidates("int4", 192) == ("native", "blocks")
+    assert cpu_paths.candidates("int4", 48) == ("native",) and cpu_paths.plan("int4", 48, 96) == ("native",) * 9
 
 
 def test_the_scratch_serves_calls_in_and_out_of_inference_mode(monkeypatch):
@@ -54,7 +78,7 @@ def test_the_scratch_serves_calls_in_and_out_of_inference_mode(monkeypatch):
 
 
 def test_widths_map_to_their_slot_and_heuristic_by_cpu(monkeypatch):
-    assert [cpu_paths.width_slot(r) for r in (1, 2, 3, 8, 9, 128, 500)] == [0, 1, 2, 3, 4, 7, 7]
+    assert [cpu_paths.width_slot(r) for r in (1, 2, 3, 8, 9, 128, 129, 500)] == [0, 1, 2, 3, 4, 7, 8, 8]
     assert cpu_paths.bucket("bf16", 10, 20, 3) == "format=bf16,n=10,k=20,rows=4"
     with pytest.raises(ValueError, match="format"):
         cpu_paths.bucket("int3", 10, 20, 3)
@@ -64,7 +88,8 @@ def test_widths_map_to_their_slot_and_heuristic_by_cpu(monkeypatch):
     monkeypatch.setattr(cpu_paths, "native_bf16_cpu", lambda: True)
     assert cpu_paths.heuristic("bf16", 128) == "native"
     assert [cpu_paths.heuristic("int8", r) for r in (32, 64)] == ["native", "blocks"]
-    assert cpu_paths.candidates("int4") == ("native",) == cpu_paths.candidates("fp32")
+    assert [cpu_paths.heuristic("int4", r) for r in (128, 256)] == ["native", "blocks"]
+    assert cpu_paths.candidates("fp32", 64) == ("native",)
 
 
 def test_the_plan_takes_this_cpus_tuned_entries_and_ignores_stale_ones(cache_file, monkeypatch):
@@ -72,7 +97,7 @@ def test_the_plan_takes_this_cpus_tuned_entries_and_ignores_stale_ones(cache_fil
     tunable = tuner.get_tunable("cpu_linear")
     times = {"native": 2.0, "blocks": 1.0}                 # a fake timer: blocks wins at 4 rows
     tuner.tune(tunable, cpu_paths.bucket("bf16", 48, 32, 4), benchmark=lambda b, c: times[c["path"]])
-    assert cpu_paths.plan("bf16", 48, 32) == ("native", "native", "blocks", "native") + ("blocks",) * 4
+    assert cpu_paths.plan("bf16", 48, 32) == ("native", "native", "blocks", "native") + ("blocks",) * 5
     env = cache.environment()
     assert env.gpu.startswith("CPU ") and f"threads={torch.get_num_threads()}" in env.capability
     # the same entry from another version of cpu_paths.py is stale: warned about, not used
@@ -91,7 +116,7 @@ def test_a_loaded_bf16_model_gets_plans_and_its_forward_matches_the_native_one(s
     model = graft_tk.load_model("smollm2-135m", dtype="bf16", num_layers=2, progress=False)
     net = model.net
     layers = [m for m in net.modules() if isinstance(m, Linear)]
-    assert layers and all(m.paths == ("native",) * 4 + ("blocks",) * 4 for m in layers)
+    assert layers and all(m.paths == ("native",) * 4 + ("blocks",) * 5 for m in layers)
     assert net.head_paths is not None                        # SmolLM2's LM head is the tied embedding
     tokens = torch.randint(1000, (1, 20))
     with torch.inference_mode():
@@ -111,6 +136,32 @@ def test_a_loaded_bf16_model_gets_plans_and_its_forward_matches_the_native_one(s
     assert clear.any() and torch.equal(planned.argmax(-1)[clear], native.argmax(-1)[clear])
     fp32 = graft_tk.load_model("smollm2-135m", dtype="fp32", num_layers=1, progress=False).net
     assert all(m.paths is None for m in fp32.modules() if isinstance(m, Linear)) and fp32.head_paths is None
+
+
+def test_a_loaded_int4_model_reads_long_calls_in_blocks_and_agrees_with_the_packed_kernel(smollm2_gguf, monkeypatch,
+                                                                                         cache_file):
+    """With native bf16 an int4 model's layers take blocks from 129 rows (a prompt's read, a
+    drafter's window): the forward's logits equal the all-packed-kernel forward's within bf16's
+    rounding of the rebuilt weights, and no clear choice moves."""
+    import graft_tk
+    from graft_tk.models.quant import QuantLinear
+    monkeypatch.setattr(cpu_paths, "native_bf16_cpu", lambda: True)
+    model = graft_tk.load_model("smollm2-135m", dtype="bf16", quant="int4", num_layers=2, progress=False)
+    layers = [m for m in model.net.modules() if isinstance(m, QuantLinear)]
+    int4 = [m for m in layers if m.format == "int4"]      # the GGUF's finer tensors stay int8
+    assert len(int4) >= 8 and all(m.paths == ("native",) * 8 + ("blocks",) for m in int4)
+    tokens = torch.randint(1000, (1, 160))
+    with torch.inference_mode():
+        model.net.setup_cache(160)
+        planned = model.net(tokens, torch.arange(160), 0)
+        for m in layers:
+            m.paths = None
+        native = model.net(tokens, torch.arange(160), 0)
+    diff = (planned - native).abs().max()
+    assert 0 < diff <= 2 ** -4 * native.abs().max()
+    top2 = native.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * diff
+    assert clear.any() and torch.equal(planned.argmax(-1)[clear], native.argmax(-1)[clear])
 
 
 def test_graft_autotune_tunes_cpu_linears_and_says_what_a_cpu_needs(cache_file, capsys):

@@ -14,8 +14,8 @@ Where the matmul runs:
   * CPU: torch's packed kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``; the
     int4 weight is repacked into their layout at load and its scales and zeros into one
     [K / 32, N, 2] tensor); an int8 layer's calls from the width its plan says (``cpu_paths``:
-    measured by graft-autotune, else from 64 rows where bf16 is native) convert the weight block
-    by block into a scratch and run float GEMMs, then the scales;
+    measured by graft-autotune, else from 64 rows where bf16 is native; int4 past 128) convert the
+    weight block by block into a scratch and run float GEMMs;
   * CUDA: the Triton kernel ``graft_tk.kernels.quant_matmul`` (W4A16 / W8A16);
   * anywhere else: the torch reference.
 
@@ -144,8 +144,11 @@ class QuantLinear(nn.Module):
                 y = y + self.bias
         elif self.cpu:
             x2 = x2.contiguous()
-            if cpu_paths.pick(self.paths, x2.shape[0]) == "blocks":
+            blocks = cpu_paths.pick(self.paths, x2.shape[0]) == "blocks"
+            if blocks and self.mode == "int8":
                 y = cpu_paths.blocks(x2, self.qweight, self.scales)
+            elif blocks:
+                y = cpu_paths.int4_blocks(x2, self.qweight, self.scales, self.group)
             elif self.mode == "int8":
                 y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
             else:
