@@ -21,8 +21,9 @@ arrives while others decode is read by the next steps, at most that many tokens 
 read. With ``prefill_seconds`` too, a chunk is also at most what the batch's last prompt reads
 say it reads in that time (a slow device reads fewer tokens a step; the streams decoding wait
 that much longer for their next tokens, not more). One prompt is read at a time (the batch is
-``full`` meanwhile), so between two of their steps at most one chunk is read. Without
-``prefill_chunk`` (a library call) a prompt is read whole.
+``full`` meanwhile), so between two of their steps at most one chunk is read, and a step that
+reads one (or a new row's drafter window, ``_read_drafter``) does not draft: the streams would
+wait for both. Without ``prefill_chunk`` (a library call) a prompt is read whole.
 
 Memory: without ``max_len`` the caches grow to the longest request so far and stay there (a
 library call, one process, one user). With ``max_len`` (graft-serve's ``--max-model-len``) they
@@ -168,6 +169,7 @@ class Batch:
             read = self._read_drafter()     # no prompt chunk this step: a new row's drafter reads instead
         if self.prefilling is not None:
             reading, chunk = self.prefilling, self.chunk()
+            read = bool(self.rows)          # a chunk read while others decode
             if self.rows and reading.tokens_read + chunk < reading.total:
                 self._read(reading, chunk)
             else:            # its last chunk, or nothing decodes: read the rest and start it
@@ -180,8 +182,9 @@ class Batch:
         config = self.plan(max([size, *self._recent]) if self.hold else size)
         self._recent.append(size)
         controller = self.state.controller([r.method for r in self.rows])
-        # a step after a drafter's read does not draft: the rows' streams would wait for both
-        # (3 rows of 2k-token prompts on a 2-core Zen 4: a 1.7 s read, then a 1.2 s drafting step)
+        # a step after a read (a drafter's window, a prompt's chunk) does not draft: the rows'
+        # streams would wait for both (3 rows of 2k-token prompts on a 2-core Zen 4: a 1.7 s
+        # window read, then a 1.2 s drafting step; a 256-token chunk of a 4k prompt ~2.5 s)
         self.last_step = decode_step(self.runtime, self.state, controller, self.rows, self.context, config,
                                      may_draft=not read)
         finished = [r for r in self.rows if r.done]

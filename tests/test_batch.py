@@ -90,13 +90,18 @@ def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode(smollm2,
     """With prefill_chunk C a prompt that arrives while others decode is read by the next steps,
     C tokens each, in the row after theirs, and joins them once read; the others commit tokens meanwhile, one
     of them leaves (the prompt's row moves down with it), and every answer is plain decoding's (fp32).
-    A drafting batch's new row reads its drafter's prompt between steps, never inside one."""
+    A drafting batch's new row reads its drafter's prompt between steps, never inside one, and a
+    step that reads a chunk or a drafter's prompt does not draft (the others' streams would wait
+    for both)."""
     long_ids = encode_prompt(smollm2, "\n\n".join(p.text for p in load_prompts("humaneval")[:3]), chat=True)
     assert len(long_ids) > 3 * 64                            # several chunks of 64
     want = [graft_tk.decode(smollm2, ids, max_new_tokens=n).tokens
             for ids, n in ((prompts[2], 24), (prompts[3], 4), (long_ids, 16))]
     batch = Engine(smollm2, self_drafter).batch(3, prefill_chunk=64)
-    calls = record_drafter_reads(monkeypatch, batch.runtime.drafter)
+    order: list[str] = []
+    calls = record_drafter_reads(monkeypatch, batch.runtime.drafter, order)
+    real_read = batch._read
+    monkeypatch.setattr(batch, "_read", lambda *a: (order.append("chunk"), real_read(*a)))
     with torch.inference_mode():
         staying = batch.add(prompts[2], method, max_new_tokens=24)     # nothing decodes: read at once
         leaving = batch.add(prompts[3], method, max_new_tokens=4)      # read by the next step
@@ -117,10 +122,11 @@ def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode(smollm2,
         while len(batch):
             finished += batch.step()
     assert [staying.out, leaving.out, reading.out] == want
-    # graft: the first two started together and read in their first step, as alone would; the
-    # one that joined rows already drafting read between two steps
-    reads = [(row, inside) for row, inside, done in calls if done]
-    assert reads == ([(0, True), (1, True), (1, False)] if method == "graft" else []), reads
+    # graft: every drafter read between two steps, and no step drafts right after a read or a chunk
+    assert (calls and not any(inside for _, inside, _ in calls)) if method == "graft" else calls == []
+    after_read = [order[i + 1] for i, e in enumerate(order[:-1]) if e in ("read", "chunk")]
+    assert order.count("chunk") >= chunks and after_read and "draft" not in after_read
+    assert ("draft" in order) == (method == "graft")
 
 
 def test_prefill_seconds_cuts_a_chunk_to_what_the_last_reads_say_fits(smollm2, prompts):
