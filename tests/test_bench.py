@@ -329,3 +329,15 @@ def test_batch_decode_compares_methods_decoding_in_one_batch(tmp_path, capsys):
     assert "| graft |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         batch_decode.main(["--methods", "ar,nonsense"])
+
+
+def test_a_failed_client_request_comes_back_as_an_error_that_unpickles():
+    """openai's errors do not unpickle, so one failed request of a client process killed the
+    pool's result thread and serve_load hung; it now raises a RuntimeError naming the request."""
+    import pickle
+
+    from graft_tk.bench import serve_load
+    prompts = [[{"role": "user", "content": "hi"}]]
+    with pytest.raises(RuntimeError, match="server 0, prompt 0: APIConnectionError") as caught:
+        serve_load.run_client(["http://127.0.0.1:9/v1"], prompts, 0, 1, 4)       # nothing listens on port 9
+    assert str(pickle.loads(pickle.dumps(caught.value))) == str(caught.value)

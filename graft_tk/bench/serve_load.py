@@ -91,10 +91,19 @@ def run_client(urls: list[str], prompts: list[list[dict]], c: int, per_client: i
         i = (c * per_client + r) % len(prompts)
         for k in (range(len(urls)) if i % 2 == 0 else reversed(range(len(urls)))):
             t = time.perf_counter()
-            resp = clients[k].chat.completions.create(model="bench", temperature=0, max_tokens=max_tokens,
-                                                      messages=prompts[i])
+            try:
+                resp = clients[k].chat.completions.create(model="bench", temperature=0, max_tokens=max_tokens,
+                                                          messages=prompts[i])
+            except openai.OpenAIError as e:
+                raise client_error(e, k, i) from None
             out.append((k, i, resp.choices[0].message.content, resp.usage.completion_tokens, time.perf_counter() - t))
     return out
+
+
+def client_error(e: Exception, server: int, prompt: int) -> RuntimeError:
+    """A client's failed request as an error that crosses back from its process: openai's errors
+    do not unpickle (the pool's result thread died on one and the run hung)."""
+    return RuntimeError(f"server {server}, prompt {prompt}: {type(e).__name__}: {e}")
 
 
 def poisson_arrivals(rate: float, n: int, seed: int = 0) -> list[float]:
@@ -121,12 +130,15 @@ def run_arrivals(url: str, prompts: list[list[dict]], times: list[float], max_to
     def send(r: int) -> tuple[int, int, str, int, float]:
         time.sleep(max(0.0, t0 + times[r] - time.perf_counter()))
         i, start, text, tokens = r % len(prompts), time.perf_counter(), [], 0
-        for chunk in client.chat.completions.create(model="bench", temperature=0, max_tokens=max_tokens,
-                                                    messages=prompts[i], stream=True):
-            if chunk.choices:
-                text.append(chunk.choices[0].delta.content or "")
-            if getattr(chunk, "usage", None):
-                tokens = chunk.usage.completion_tokens
+        try:
+            for chunk in client.chat.completions.create(model="bench", temperature=0, max_tokens=max_tokens,
+                                                        messages=prompts[i], stream=True):
+                if chunk.choices:
+                    text.append(chunk.choices[0].delta.content or "")
+                if getattr(chunk, "usage", None):
+                    tokens = chunk.usage.completion_tokens
+        except openai.OpenAIError as e:
+            raise client_error(e, 0, i) from None
         return 0, i, "".join(text), tokens, time.perf_counter() - start
     with ThreadPoolExecutor(len(times)) as pool:
         out = list(pool.map(send, range(len(times))))
