@@ -11,7 +11,7 @@ from graft_tk.config import GraftConfig
 from graft_tk.decode import encode_prompt
 from graft_tk.errors import CorruptFileError, InputError
 from graft_tk.kernels.quant_matmul import quant_matmul as kernel_quant_matmul
-from graft_tk.models import registry
+from graft_tk.models import quant, registry
 from graft_tk.models.checkpoint import _hf_tensors
 from graft_tk.models.quant import QuantLinear, quantize_int4, quantize_int8, quantize_model
 from graft_tk.reference.quant_matmul import dequantize, quant_matmul, unpack_int4
@@ -239,13 +239,34 @@ def test_an_a8w8_layer_rounds_each_row_alone_and_multiplies_in_integers():
     q, s = quantize_int8(torch.randn(N, K))
     layer = QuantLinear(q, s, None, torch.randn(N), torch.bfloat16)
     x = torch.randn(40, K).bfloat16()
-    float_product = layer(x)
-    layer.int8_activations = True
+    float_product, weight = layer(x), layer.dequantized()
+    layer.use_int8_activations()
     y = layer(x)
     assert y.dtype == torch.bfloat16 and layer.format == "a8w8" and "a8w8" in repr(layer)
     assert (y.float() - float_product.float()).abs().max() < 0.02 * float_product.float().abs().max()
     assert all(torch.equal(layer(x[i:i + 1])[0], y[i]) for i in range(40))
     assert torch.equal(layer(x[3:19]), y[3:19])
+    assert torch.equal(layer.dequantized(), weight)
+
+
+def test_a8w8_sums_in_onednns_prepacked_kernel_are_torch_int_mms():
+    """oneDNN's u8 x s8 kernel on the prepacked weight (the row shifted by 128) gives exactly
+    ``torch._int_mm``'s sums at every width, the largest products and sums past 2^24 included;
+    the layer then holds the weight in that layout only."""
+    assert quant.onednn_int8_exact()
+    torch.manual_seed(4)
+    N, K = 80, 2304
+    q, s = quantize_int8(torch.randn(N, K))
+    q[:5] = 127
+    bias = torch.randn(N)
+    plain, packed = (QuantLinear(q, s, None, bias, torch.bfloat16) for _ in range(2))
+    plain.int8_activations = True                   # the _int_mm path
+    packed.use_int8_activations()
+    assert packed.packed is not None and packed.qweight is None and plain.packed is None
+    x = torch.randn(64, K).bfloat16()
+    x[:3] = x[:3].abs()                             # rows whose largest values multiply q = 127
+    for rows in (1, 2, 5, 16, 64):
+        assert torch.equal(packed(x[:rows]), plain(x[:rows])), rows
 
 
 def test_an_a8w8_model_loads_from_the_int8_folder_on_a_cpu_only(smollm2_gguf):

@@ -81,7 +81,7 @@ def linear_bytes_and_weights(net: nn.Module) -> tuple[int, int]:
     nbytes = weights = 0
     for m in net.modules():
         if isinstance(m, QuantLinear):      # what its kernel reads
-            nbytes += sum(t.numel() * t.element_size() for t in (m.qweight, m.scales, m.zeros, m.bias) if t is not None)
+            nbytes += sum(t.numel() * t.element_size() for t in (m.qweight, m.packed, m.scales, m.zeros, m.bias) if t is not None)
             weights += m.in_features * m.out_features
         elif isinstance(m, nn.Linear):
             nbytes += m.weight.numel() * m.weight.element_size()

@@ -198,7 +198,8 @@ def linear_min_rows(fmt: str, n: int, k: int, dtype: torch.dtype) -> int | None:
         w, x = cancelling(n, k, PROBE_ROWS[-1], dtype)
         if fmt in ("int8", "int4", "a8w8"):
             layer = QuantLinear.from_float(w, None, "int8" if fmt == "a8w8" else fmt, dtype)
-            layer.int8_activations = fmt == "a8w8"
+            if fmt == "a8w8":
+                layer.use_int8_activations()
             return probe_min_rows(layer, x)
         return probe_min_rows(lambda a: torch.nn.functional.linear(a, w), x)
     return _cached(f"linear,format={fmt},n={n},k={k}", probe)
