@@ -25,7 +25,7 @@ subtracting 128 x the weight's column sums in int32): 1.3-1.7x faster than ``tor
 4 rows on, where a verify spends its time. ``onednn_int8_exact`` checks once per process that its
 sums are the exact ones (a CPU without VNNI multiplies u8 x s8 pairs into saturating int16);
 where not, and where torch has no oneDNN, ``_int_mm`` on the plain weight. A 16-node verify of
-the 1.5B Qwen costs 1.8x a 1-row forward on a 2-core Zen 4 without AMX (2.7x with ``_int_mm``;
+the 1.5B Qwen costs 1.6-2.1x a 1-row forward on a 2-core Zen 4 without AMX (2.7x with ``_int_mm``;
 docs/benchmarks), against 5.7x for int4 weight-only. Integer sums are exact, so a row's result
 never depends on the rows beside it; the activation's rounding to 8 bits does turn any other
 row-dependence upstream (attention) into different logits: speculation on an ``a8w8`` target is
