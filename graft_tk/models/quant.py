@@ -147,7 +147,7 @@ class QuantLinear(nn.Module):
         if rows < self.min_rows:
             x2 = cpu_paths.pad_rows(x2, self.min_rows)
         if self.int8_activations:
-            y = int8_matmul(x2, self.qweight if self.packed is None else self.packed, self.scales)
+            y = int8_matmul(x2, self.qweight, self.scales, self.packed)
             if self.bias is not None:
                 y = y + self.bias
         elif self.cpu:
@@ -200,21 +200,22 @@ class QuantLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, {self.format}, bias={self.bias is not None}"
 
 
-def int8_matmul(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+def int8_matmul(x: Tensor, qweight: Tensor | None, scales: Tensor, packed: Tensor | None = None) -> Tensor:
     """``x [M, K] @ W^T`` for int8 weights with per-channel ``scales [N]``, each row of x rounded
     to int8 with its own scale (amax / 127) and multiplied in int32 sums: ``fp32(sums) * sx *
-    scales``. ``weight``: ``qweight`` [N, K] (``torch._int_mm``) or oneDNN's prepacked layout
-    (``QuantLinear.use_int8_activations``), whose sums are the same integers."""
+    scales``. The weight: oneDNN's prepacked layout ``packed`` (``QuantLinear.use_int8_activations``)
+    where given, else ``qweight`` [N, K] (``torch._int_mm``): the same integer sums."""
     xf = x.float()
     sx = xf.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
     q = torch.round(xf / sx)
-    if weight.is_mkldnn:
-        sums = _onednn_sums(q.add_(128).to(torch.uint8), weight)
+    if packed is not None:
+        sums = _onednn_sums(q.add_(128).to(torch.uint8), packed)
     else:
-        sums = torch._int_mm(q.to(torch.int8), weight.t()).float()
+        sums = torch._int_mm(q.to(torch.int8), qweight.t()).float()
     return (sums * sx * scales.float()).to(x.dtype)
 
 
+@torch.compiler.disable     # inductor cannot trace oneDNN's opaque prepacked tensor: a compiled forward calls out
 def _onednn_sums(q: Tensor, packed: Tensor) -> Tensor:
     """fp32 of the int32 sums ``(q - 128) @ W^T`` for ``q`` uint8 [M, K] and the prepacked W
     (scales 1: oneDNN's fp32 of its int32 sum, as ``_int_mm(...).float()``)."""
