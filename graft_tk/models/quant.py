@@ -196,6 +196,13 @@ class QuantLinear(nn.Module):
             self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
             self.qweight = None
 
+    def traceable(self) -> None:
+        """Back from oneDNN's prepacked layout to the plain int8 weight (``torch._int_mm``, the same
+        sums): inductor cannot trace the opaque prepacked tensor (``graft_tk.compiled``)."""
+        if self.packed is not None:
+            self.qweight = _aligned(self.packed.to_dense().T)
+            self.packed = None
+
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.format}, bias={self.bias is not None}"
 
@@ -215,7 +222,6 @@ def int8_matmul(x: Tensor, qweight: Tensor | None, scales: Tensor, packed: Tenso
     return (sums * sx * scales.float()).to(x.dtype)
 
 
-@torch.compiler.disable     # inductor cannot trace oneDNN's opaque prepacked tensor: a compiled forward calls out
 def _onednn_sums(q: Tensor, packed: Tensor) -> Tensor:
     """fp32 of the int32 sums ``(q - 128) @ W^T`` for ``q`` uint8 [M, K] and the prepacked W
     (scales 1: oneDNN's fp32 of its int32 sum, as ``_int_mm(...).float()``)."""
