@@ -174,7 +174,8 @@ class QuantLinear(nn.Module):
     def dequantized(self) -> Tensor:
         """The float weight [N, K] this layer multiplies by (for tools that need it, e.g. EAGLE-3 training)."""
         if self.packed is not None:
-            return reference.dequantize(self.packed.to_dense().T.contiguous(), self.scales, None, self.group).to(self.scales.dtype)
+            qweight = self.packed.to_dense().T.contiguous()
+            return reference.dequantize(qweight, self.scales, None, self.group).to(self.scales.dtype)
         if self.cpu and self.mode == "int4":   # read back through the kernel: I @ W^T = W^T
             eye = torch.eye(self.in_features, dtype=self.scales.dtype, device=self.qweight.device)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group, self.scales).T.contiguous()
