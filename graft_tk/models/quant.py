@@ -174,8 +174,7 @@ class QuantLinear(nn.Module):
     def dequantized(self) -> Tensor:
         """The float weight [N, K] this layer multiplies by (for tools that need it, e.g. EAGLE-3 training)."""
         if self.packed is not None:
-            qweight = self.packed.to_dense().T.contiguous()
-            return reference.dequantize(qweight, self.scales, None, self.group).to(self.scales.dtype)
+            return reference.dequantize(self._unpacked(), self.scales, None, self.group).to(self.scales.dtype)
         if self.cpu and self.mode == "int4":   # read back through the kernel: I @ W^T = W^T
             eye = torch.eye(self.in_features, dtype=self.scales.dtype, device=self.qweight.device)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group, self.scales).T.contiguous()
@@ -201,8 +200,11 @@ class QuantLinear(nn.Module):
         """Back from oneDNN's prepacked layout to the plain int8 weight (``torch._int_mm``, the same
         sums): inductor cannot trace the opaque prepacked tensor (``graft_tk.compiled``)."""
         if self.packed is not None:
-            self.qweight = _aligned(self.packed.to_dense().T)
-            self.packed = None
+            self.qweight, self.packed = self._unpacked(), None
+
+    def _unpacked(self) -> Tensor:
+        """The int8 weight [N, K] read back from oneDNN's prepacked layout (which holds W^T)."""
+        return _aligned(self.packed.to_dense().T)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.format}, bias={self.bias is not None}"
