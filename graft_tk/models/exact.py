@@ -17,8 +17,9 @@ makes every reduction a function of the row alone:
     at p see the same sequence whatever slots hold it. Every sum then runs in a shape fixed by the
     query alone: keys in blocks of ``BLOCK`` at fixed logical offsets (a block below the row's
     cached prefix is read in place, the last ones gathered per query), one GEMM shape for a block's
-    scores and one for its values, its softmax sum pairwise, and the blocks summed pairwise in a
-    tree over a power of two, which blocks past the query's own add exact zeros to.
+    scores and one for its values and softmax sum (a column of ones beside the values), and the
+    blocks summed pairwise in a tree over a power of two, which blocks past the query's own add
+    exact zeros to.
   * norms, RoPE, activations and residuals are per row already (checked by the tests).
   * prompts: every prompt is read in the same forwards (cut at multiples of ``PREFILL_GRID``
     tokens, however a server schedules its chunks), so the prompt's keys and values are the same
@@ -68,40 +69,27 @@ def attention(q: Tensor, k: Tensor, v: Tensor, prefix: Tensor, block: Tensor | N
         raise ValueError(f"exact attention reads whole blocks of {BLOCK} keys: the cache holds {k.shape[2]} "
                          f"slots, fewer than {nk}")
 
-    # ---- which slots each query sees, and its logical sequence: idx[b, t, l] = slot of its l-th key
-    ar = torch.arange(nk, device=dev)
+    # ---- each query's logical sequence: idx[b, t, l] = the slot of its l-th key
     if block is None:                                            # one decoded token: its row's slots in order
         seen = (prefix[:, None] + torch.arange(1, T + 1, device=dev))[:, :, None]       # [B, T, 1]
-        visible = ar < seen
-        idx = ar.expand(B, T, nk)
+        idx = torch.arange(nk, device=dev).expand(B, T, nk)
     else:
         seen = (prefix[:, None] + block.sum(-1))[:, :, None]
-        rel = ar - prefix[:, None]                               # [B, nk]: slot - prefix
-        bits = block.gather(2, rel.clamp(0, L - 1)[:, None, :].expand(B, T, nk))
-        visible = (rel < 0)[:, None, :] | (((rel >= 0) & (rel < L))[:, None, :] & bits)
         to = torch.where(block, prefix[:, None, None] + block.cumsum(-1) - 1, nk)         # a visible key's rank
         idx = torch.arange(nk + 1, device=dev).expand(B, T, nk + 1).clone()
         idx.scatter_(2, to, (prefix[:, None, None] + torch.arange(L, device=dev)).expand(B, T, L))   # spare: invisible
         idx = idx[:, :, :nk]
 
-    # ---- every cached key in place, one [rows, D] x [D, BLOCK] GEMM per block of slots
-    rows = q.float().view(B, Hkv, G, T, D).transpose(2, 3).reshape(B, Hkv, 1, R, D)
+    # ---- every cached key's score in place, one [rows, D] x [D, BLOCK] GEMM per block of slots
+    rows = (q.float() * scale).view(B, Hkv, G, T, D).transpose(2, 3).reshape(B, Hkv, 1, R, D)
     kf = k[:, :, :nk].float().view(B, Hkv, nb, BLOCK, D)
-    s = _rows_matmul(rows.expand(B, Hkv, nb, R, D), kf.transpose(-1, -2), min_rows).view(B, Hkv, nb, T, G, BLOCK)
-    s = (s * scale).masked_fill(~visible.view(B, T, nb, BLOCK).transpose(1, 2)[:, None, :, :, None, :],
-                                float("-inf"))
-    top = s.amax(dim=(2, 5), keepdim=True)                       # the max of a query's keys: the same in any order
-    top = torch.where(torch.isfinite(top), top, 0)               # a query that sees no key: all zeros below
-    # Blocks below the row's prefix // BLOCK hold keys in logical order already: summed in place.
-    base = prefix // BLOCK                                       # [B]
-    below = (torch.arange(nb, device=dev)[None, :] < base[:, None])[:, None, :, None, None, None]
-    e = torch.exp(s - top) * below                               # [B, Hkv, nb, T, G, BLOCK]
-    vf = v[:, :, :nk].float().view(B, Hkv, nb, BLOCK, D)
-    num = _rows_matmul(e.view(B, Hkv, nb, R, BLOCK), vf, min_rows)                       # [B, Hkv, nb, R, D]
-    den = _tree_sum(e, dim=5).view(B, Hkv, nb, R)
+    s = _rows_matmul(rows.expand(B, Hkv, nb, R, D), kf.transpose(-1, -2), min_rows)      # [B, Hkv, nb, R, BLOCK]
 
-    # ---- the blocks from base on, in logical order: keys gathered per query
-    nt = (BLOCK - 1 + L - 1) // BLOCK + 1                        # logical blocks from base to the last key
+    # ---- the blocks from base = prefix // BLOCK on, in logical order: keys gathered per query.
+    # Blocks below base hold every query's keys in logical order already (its cached prefix).
+    base = prefix // BLOCK                                       # [B]
+    first, last = int(base.min()), int(base.max())               # (CPU tensors: no sync)
+    nt = int((prefix % BLOCK).max() + L - 1) // BLOCK + 1        # logical blocks from base to the last key
     logical = (base * BLOCK)[:, None] + torch.arange(nt * BLOCK, device=dev)              # [B, nt * BLOCK]
     valid = (logical[:, None, :] < seen) & (logical < nk)[:, None, :]                    # [B, T, nt * BLOCK]
     slots = idx.gather(2, logical.clamp(max=nk - 1)[:, None, :].expand(B, T, -1))
@@ -111,19 +99,36 @@ def attention(q: Tensor, k: Tensor, v: Tensor, prefix: Tensor, block: Tensor | N
     s_tail = s.view(B, Hkv, -1).gather(2, at_score.view(B, 1, -1).expand(B, Hkv, -1))
     s_tail = s_tail.view(B, Hkv, T, G, nt, BLOCK).transpose(3, 4)                          # [B, Hkv, T, nt, G, BLOCK]
     s_tail = s_tail.masked_fill(~valid.view(B, 1, T, nt, 1, BLOCK), float("-inf"))
+
+    # ---- the max of a query's keys (the same in any order): its blocks below base, and its tail
+    below = (torch.arange(last, device=dev)[None, :] < base[:, None]).view(B, 1, last, 1)
+    s = s[:, :, :last]                                           # the blocks some row reads in place
+    top = s_tail.amax(dim=(3, 5))                                # [B, Hkv, T, G]
+    if last:
+        top = torch.maximum(top, s.amax(-1).masked_fill(~below, float("-inf")).view(B, Hkv, last, T, G).amax(2))
+    top = torch.where(torch.isfinite(top), top, 0)               # a query that sees no key: all zeros below
+
+    # ---- each block's sum of e * [v | 1] (its output and softmax sum) in one [rows, BLOCK] x
+    # [BLOCK, D + 1] GEMM: in place below base, gathered per query from base on
+    vf = torch.ones(B, Hkv, nk, D + 1, device=dev)
+    vf[..., :D] = v[:, :, :nk]
+    e = s.view(B, Hkv, last, T, G, BLOCK).sub_(top[:, :, None, :, :, None]).exp_()
+    num = torch.zeros(B, Hkv, nb, R, D + 1, device=dev)
+    num[:, :, :last] = _rows_matmul(e.view(B, Hkv, last, R, BLOCK), vf[:, :, :last * BLOCK].view(B, Hkv, last, BLOCK, D + 1), min_rows)
+    if first < last:                                             # a ragged batch: a row's blocks from its base
+        num[:, :, :last].masked_fill_(~below[..., None], 0)      # on hold its tail (or garbage) in place
     e_tail = torch.exp(s_tail - top.view(B, Hkv, T, 1, G, 1))
     pick = (torch.arange(B * Hkv, device=dev).view(B, Hkv, 1) * nk + slots.view(B, 1, -1)).flatten()
-    v_tail = vf.reshape(-1, D).index_select(0, pick).view(B, Hkv, T, nt, BLOCK, D)      # whole rows of D
-    num_tail = _rows_matmul(e_tail, v_tail, min_rows)            # [B, Hkv, T, nt, G, D]
-    den_tail = _tree_sum(e_tail, dim=5)                          # [B, Hkv, T, nt, G]
+    v_tail = vf.view(-1, D + 1).index_select(0, pick).view(B, Hkv, T, nt, BLOCK, D + 1)
+    num_tail = _rows_matmul(e_tail, v_tail, min_rows)            # [B, Hkv, T, nt, G, D + 1]
 
-    # ---- onto the zeros of blocks >= base (a tail block past the keys is all zeros: clamped in),
-    # then every block summed pairwise
-    at = (base[:, None] + torch.arange(nt, device=dev)).clamp(max=nb - 1).view(B, 1, nt, 1)
-    num.scatter_add_(2, at[..., None].expand(B, Hkv, nt, R, D), num_tail.transpose(2, 3).reshape(B, Hkv, nt, R, D))
-    den.scatter_add_(2, at.expand(B, Hkv, nt, R), den_tail.transpose(2, 3).reshape(B, Hkv, nt, R))
-    num, den = _tree_sum(num, dim=2), _tree_sum(den, dim=2)     # [B, Hkv, R, D], [B, Hkv, R]
-    out = num / torch.where(den > 0, den, 1)[..., None]
+    # ---- the tail onto the zeros of blocks >= base (a tail block past the keys is all zeros:
+    # clamped in), then every block summed pairwise
+    at = (base[:, None] + torch.arange(nt, device=dev)).clamp(max=nb - 1).view(B, 1, nt, 1, 1)
+    num.scatter_add_(2, at.expand(B, Hkv, nt, R, D + 1), num_tail.transpose(2, 3).reshape(B, Hkv, nt, R, D + 1))
+    num = _tree_sum(num, dim=2)                                  # [B, Hkv, R, D + 1]
+    den = num[..., D:]
+    out = num[..., :D] / torch.where(den > 0, den, 1)
     return out.view(B, Hkv, T, G, D).transpose(2, 3).reshape(B, Hq, T, D).to(q.dtype)
 
 
@@ -133,7 +138,7 @@ def _rows_matmul(a: Tensor, b: Tensor, min_rows: int) -> Tensor:
     if rows >= min_rows:
         return a @ b
     pad = torch.zeros(*a.shape[:-2], min_rows - rows, a.shape[-1], dtype=a.dtype, device=a.device)
-    return (torch.cat([a, pad], dim=-2) @ b)[..., :rows, :]
+    return (torch.cat([a, pad], dim=-2) @ b)[..., :rows, :].contiguous()
 
 
 def _tree_sum(x: Tensor, dim: int) -> Tensor:
@@ -211,7 +216,7 @@ def attention_min_rows(head_dim: int) -> int | None:
     wherever its block GEMM computed it)."""
     def probe() -> int | None:
         found = []
-        for depth, width in ((head_dim, BLOCK), (BLOCK, head_dim)):
+        for depth, width in ((head_dim, BLOCK), (BLOCK, head_dim + 1)):
             w, x = cancelling(3 * width, depth, PROBE_ROWS[-1], torch.float32, seed=depth)
             b = w.view(3, width, depth).transpose(1, 2)                  # [3, depth, width]: three GEMMs
             found.append(probe_min_rows(lambda a: (a[None] @ b).transpose(0, 1), x))
