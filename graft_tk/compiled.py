@@ -90,9 +90,6 @@ def compiled_forward(net: Transformer, dynamic: bool = False):
             fn = graph_limited(torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None,
                                              mode="reduce-overhead"))
         else:   # freezing (and for a quantized model GEMM autotuning) on, so every graph has them
-            for m in net.modules():
-                if isinstance(m, QuantLinear):
-                    m.traceable()           # an a8w8 layer's oneDNN weight: back to _int_mm's
             fn = graph_limited(torch.compile(net.forward, fullgraph=True, dynamic=dynamic or None),
                                freezing=True, max_autotune_gemm=quantized(net))
         by_mode[dynamic] = fn

@@ -34,6 +34,8 @@ token-identical to its plain decoding in exact mode (``exact=True``).
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -119,6 +121,7 @@ class QuantLinear(nn.Module):
         self.min_rows = 1                             # calls narrower than this are padded (models.exact)
         self.int8_activations = False                 # a8w8: rows rounded to int8, integer matmul (CPU int8)
         self.packed: Tensor | None = None             # a8w8: the weight in oneDNN's layout (``use_int8_activations``)
+        self.handle: int | None = None                # ... and its key in ``_PACKED`` (what forward passes)
         if self.mode == "int8":
             self.register_buffer("qweight", _aligned(qweight.to(torch.int8)))
             self.register_buffer("scales", _aligned(scales.to(dtype)))
@@ -147,7 +150,7 @@ class QuantLinear(nn.Module):
         if rows < self.min_rows:
             x2 = cpu_paths.pad_rows(x2, self.min_rows)
         if self.int8_activations:
-            y = int8_matmul(x2, self.qweight, self.scales, self.packed)
+            y = int8_matmul(x2, self.qweight, self.scales, self.handle)
             if self.bias is not None:
                 y = y + self.bias
         elif self.cpu:
@@ -194,13 +197,9 @@ class QuantLinear(nn.Module):
         self.int8_activations = True
         if self.packed is None and onednn_int8_exact():
             self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
+            self.handle = next(_HANDLES)
+            _PACKED[self.handle] = self.packed
             self.qweight = None
-
-    def traceable(self) -> None:
-        """Back from oneDNN's prepacked layout to the plain int8 weight (``torch._int_mm``, the same
-        sums): inductor cannot trace the opaque prepacked tensor (``graft_tk.compiled``)."""
-        if self.packed is not None:
-            self.qweight, self.packed = self._unpacked(), None
 
     def _unpacked(self) -> Tensor:
         """The int8 weight [N, K] read back from oneDNN's prepacked layout (which holds W^T)."""
@@ -210,19 +209,38 @@ class QuantLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, {self.format}, bias={self.bias is not None}"
 
 
-def int8_matmul(x: Tensor, qweight: Tensor | None, scales: Tensor, packed: Tensor | None = None) -> Tensor:
+def int8_matmul(x: Tensor, qweight: Tensor | None, scales: Tensor, handle: int | None = None) -> Tensor:
     """``x [M, K] @ W^T`` for int8 weights with per-channel ``scales [N]``, each row of x rounded
     to int8 with its own scale (amax / 127) and multiplied in int32 sums: ``fp32(sums) * sx *
-    scales``. The weight: oneDNN's prepacked layout ``packed`` (``QuantLinear.use_int8_activations``)
-    where given, else ``qweight`` [N, K] (``torch._int_mm``): the same integer sums."""
+    scales``. The weight: oneDNN's prepacked layout registered under ``handle``
+    (``QuantLinear.use_int8_activations``) where given, else ``qweight`` [N, K] (``torch._int_mm``):
+    the same integer sums."""
     xf = x.float()
     sx = xf.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
     q = torch.round(xf / sx)
-    if packed is not None:
-        sums = _onednn_sums(q.add_(128).to(torch.uint8), packed)
+    if handle is not None:
+        sums = onednn_int8_sums(q.add_(128).to(torch.uint8), handle)
     else:
         sums = torch._int_mm(q.to(torch.int8), qweight.t()).float()
     return (sums * sx * scales.float()).to(x.dtype)
+
+
+# oneDNN's prepacked weights by handle. A compiled graph cannot hold the opaque prepacked tensor
+# (dynamo cannot fake it), so forward passes the layer's handle, a constant to the graph, to an op
+# inductor calls as it is: the rest of the layer (rounding, scaling) compiles around it.
+_PACKED: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+@torch.library.custom_op("graft_tk::onednn_int8_sums", mutates_args=())
+def onednn_int8_sums(q: Tensor, handle: int) -> Tensor:
+    """``_onednn_sums`` with the weight registered under ``handle``."""
+    return _onednn_sums(q, _PACKED[handle])
+
+
+@onednn_int8_sums.register_fake
+def _(q: Tensor, handle: int) -> Tensor:
+    return q.new_empty(q.shape[0], _PACKED[handle].shape[1], dtype=torch.float32)
 
 
 def _onednn_sums(q: Tensor, packed: Tensor) -> Tensor:
