@@ -88,7 +88,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, prefix: Tensor, block: Tensor | N
     # ---- the blocks from base = prefix // BLOCK on, in logical order: keys gathered per query.
     # Blocks below base hold every query's keys in logical order already (its cached prefix).
     base = prefix // BLOCK                                       # [B]
-    first, last = int(base.min()), int(base.max())               # (CPU tensors: no sync)
+    first, last = int(base.min()), int(base.max())               # host reads: exact mode runs on CPUs
     nt = int((prefix % BLOCK).max() + L - 1) // BLOCK + 1        # logical blocks from base to the last key
     logical = (base * BLOCK)[:, None] + torch.arange(nt * BLOCK, device=dev)              # [B, nt * BLOCK]
     valid = (logical[:, None, :] < seen) & (logical < nk)[:, None, :]                    # [B, T, nt * BLOCK]
