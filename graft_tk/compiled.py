@@ -15,10 +15,10 @@ ones packed for oneDNN) and, for a model with quantized weights, GEMM autotuning
 templates (micro-kernels that unpack int4 / int8 weights in registers, flat in the number of rows
 where torch's packed weight-only kernels loop over them) against the aten kernel and keeps the
 faster, caching its choices. A float model skips the search: oneDNN's packed GEMM is its fast
-path. An ``a8w8`` layer's integer product stays oneDNN's, an opaque op in the graph
-(``graft_tk::onednn_int8_sums``); its rounding and scaling compile around it. Both are config values read while a graph compiles, so they are set around every call
-(``torch.compile(options=...)`` does not switch freezing on). On CUDA the graph is captured in a
-CUDA graph (``mode="reduce-overhead"``).
+path. Both are config values read while a graph compiles, so they are set around every call
+(``torch.compile(options=...)`` does not switch freezing on). An ``a8w8`` layer's integer product
+stays oneDNN's, an opaque op in the graph (``graft_tk::onednn_int8_sums``); its rounding and
+scaling compile around it. On CUDA the graph is captured in a CUDA graph (``mode="reduce-overhead"``).
 
 A prompt's prefill (``StepForward.prefill``) runs eagerly, except for a quantized model compiled
 on a CPU with AMX: there the eager int4 / int8 kernels loop over the prompt's rows, so the prompt
