@@ -114,7 +114,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, prefix: Tensor, block: Tensor | N
     vf[..., :D] = v[:, :, :nk]
     e = s.view(B, Hkv, last, T, G, BLOCK).sub_(top[:, :, None, :, :, None]).exp_()
     num = torch.zeros(B, Hkv, nb, R, D + 1, device=dev)
-    num[:, :, :last] = _rows_matmul(e.view(B, Hkv, last, R, BLOCK), vf[:, :, :last * BLOCK].view(B, Hkv, last, BLOCK, D + 1), min_rows)
+    v_in_place = vf[:, :, :last * BLOCK].view(B, Hkv, last, BLOCK, D + 1)
+    num[:, :, :last] = _rows_matmul(e.view(B, Hkv, last, R, BLOCK), v_in_place, min_rows)
     if first < last:                                             # a ragged batch: a row's blocks from its base
         num[:, :, :last].masked_fill_(~below[..., None], 0)      # on hold its tail (or garbage) in place
     e_tail = torch.exp(s_tail - top.view(B, Hkv, T, 1, G, 1))
