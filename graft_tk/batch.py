@@ -17,13 +17,14 @@ requests come and go.
 
 A long prompt need not stall the requests decoding: with ``prefill_chunk`` a prompt that
 arrives while others decode is read by the next steps, at most that many tokens each
-(``graft_tk.step.Prefill``), in the row after theirs, before their forward; it joins them once
-read. With ``prefill_seconds`` too, a chunk is also at most what the batch's last prompt reads
-say it reads in that time (a slow device reads fewer tokens a step; the streams decoding wait
-that much longer for their next tokens, not more). One prompt is read at a time (the batch is
-``full`` meanwhile), so between two of their steps at most one chunk is read, and a step that
-reads one (or a new row's drafter window, ``_read_drafter``) does not draft: the streams would
-wait for both. Without ``prefill_chunk`` (a library call) a prompt is read whole.
+(``graft_tk.step.Prefill``), in the row after theirs and in the same target forward as their
+verify (``Transformer.forward_packed``: each weight is read once for both); it joins them once
+read. With ``prefill_seconds`` too, a chunk is also at most what the batch's last steps carrying
+one say it reads in that time (a slow device reads fewer tokens a step; the streams decoding
+wait that much longer for their next tokens, not more). One prompt is read at a time (the batch
+is ``full`` meanwhile), so a step carries at most one chunk, and a step that carries one (or
+follows a new row's drafter window, ``_read_drafter``) does not draft: the streams would wait
+for both. Without ``prefill_chunk`` (a library call) a prompt is read whole.
 
 Memory: without ``max_len`` the caches grow to the longest request so far and stay there (a
 library call, one process, one user). With ``max_len`` (graft-serve's ``--max-model-len``) they
@@ -86,7 +87,7 @@ class Batch:
             prefill_chunk = -(-prefill_chunk // exact.PREFILL_GRID) * exact.PREFILL_GRID
             prefill_seconds = None
         self.prefill_chunk, self.prefill_seconds = prefill_chunk, prefill_seconds
-        self.read_rate: float | None = None       # prompt tokens a second, as its last read of 64+ tokens took
+        self.read_rate: float | None = None       # prompt tokens a second, as the last read or step carrying 64+ took
         self.prefilling: Prefill | None = None    # the prompt being read, in row len(self.rows)
         self.runtime, self.state, self.config = runtime, state, config
         self.max_batch, self.hold = max_batch, hold
@@ -162,20 +163,17 @@ class Batch:
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """One decode step for every request (after the next chunk of a prompt being read); returns
-        those that finished (their rows freed)."""
-        started, self.last_step, read = [], None, False
+        """One decode step for every request (its forward carrying the next chunk of a prompt being
+        read); returns those that finished (their rows freed) or were done at their first token."""
+        started, self.last_step, read, reading, chunk = [], None, False, None, 0
         if self.prefilling is None:
             read = self._read_drafter()     # no prompt chunk this step: a new row's drafter reads instead
-        if self.prefilling is not None:
-            reading, chunk = self.prefilling, self.chunk()
-            read = bool(self.rows)          # a chunk read while others decode
-            if self.rows and reading.tokens_read + chunk < reading.total:
-                self._read(reading, chunk)
-            else:            # its last chunk, or nothing decodes: read the rest and start it
-                self.prefilling = None
-                self._started(reading)
-                started = [reading.request] if reading.request.done else []
+        elif not self.rows:                 # nothing decodes: read the rest of the prompt and start it
+            reading, self.prefilling = self.prefilling, None
+            self._started(reading)
+            return [reading.request] if reading.request.done else []
+        else:                               # its next chunk rides in the rows' verify forward
+            reading, chunk, read = self.prefilling, self.chunk(), True
         if not self.rows:
             return started
         size = len(self.rows)
@@ -186,10 +184,16 @@ class Batch:
         # streams would wait for both (3 rows of 2k-token prompts on a 2-core Zen 4: a 1.7 s
         # window read, then a 1.2 s drafting step; a 256-token chunk of a 4k prompt ~2.5 s)
         self.last_step = decode_step(self.runtime, self.state, controller, self.rows, self.context, config,
-                                     may_draft=not read)
+                                     may_draft=not read, chunk=reading, chunk_tokens=chunk)
+        if self.last_step.prompt_tokens >= 2 * CHUNK_MULTIPLE:     # the rate of a step carrying a chunk
+            self.read_rate = self.last_step.prompt_tokens / self.last_step.seconds
         finished = [r for r in self.rows if r.done]
         for r in finished:
             self._remove(r)
+        if reading is not None and reading.read_all:    # its last chunk: it decodes from the next step on
+            self.prefilling = None
+            self._started(reading)
+            started = [reading.request] if reading.request.done else []
         return started + finished
 
     def chunk(self) -> int:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import weakref
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -43,7 +43,7 @@ from ._cpu import cpu_info
 from .errors import InputError
 from .models.attention import AttentionPlan
 from .models.quant import QuantLinear
-from .models.transformer import Transformer
+from .models.transformer import Part, Transformer
 
 # Compiled forwards per model: Dynamo keys its graphs by code object, so every Transformer of the
 # process shares one limit of cached graphs (target and drafter widths, test models).
@@ -166,6 +166,11 @@ class StepForward:
             if progress is not None:
                 progress(s + t, n)
         return logits if hidden_layers is None else (logits, torch.cat(hidden, dim=1))
+
+    def packed(self, parts: Sequence[Part], attention=None) -> list:
+        """Several parts in one forward (``Transformer.forward_packed``), eagerly: a decode step
+        that carries a prompt's chunk, a shape no graph is kept for."""
+        return self.net.forward_packed(parts, attention)
 
     def __call__(self, tokens: Tensor, positions: Tensor, plan: AttentionPlan | int, logits_at=None,
                  hidden_layers: tuple[int, ...] | None = None, attention=None):

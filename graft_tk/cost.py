@@ -28,6 +28,7 @@ from .errors import InputError
 
 
 KNEE_RATIO = 1.5   # the verify's knee: the widest verify costing at most this many one-token forwards
+MIN_MS = 1e-3      # a cost is positive: what a few tokens add to a wide forward is at least this
 
 
 @dataclass(frozen=True)
@@ -64,17 +65,24 @@ class StepCost:
                                                                                      self.verify_ms_per_1k)),
                                    context=context)
 
-    def batch(self, rows: int) -> "StepCost":
+    def batch(self, rows: int, riding: int = 0) -> "StepCost":
         """This cost model for a step of ``rows`` requests: a verify of n tokens per row costs a
         forward of rows x n tokens, a drafter forward of w tokens per row one of rows x w (their
         attention reads each row's own context: as many queries as the one wide forward). Past
-        the measured curve a forward grows by the curve's mean slope over its upper half."""
-        if rows == 1:
+        the measured curve a forward grows by the curve's mean slope over its upper half.
+        ``riding``: the verify's forward carries that many prompt tokens besides (a chunk of a
+        prompt being read), so a verify costs what its tokens add to theirs: the weight read is
+        the chunk's, and each node costs about the curve's slope."""
+        if rows == 1 and not riding:
             return self
+
+        def added(curve: tuple[float, ...], n: int) -> float:
+            return _extended(curve, riding + n) - (_extended(curve, riding) if riding else 0.0)
+        n_verify = range(1, len(self.verify_ms) + 1)
         return dataclasses.replace(
-            self, verify_ms=tuple(_extended(self.verify_ms, rows * n) for n in range(1, len(self.verify_ms) + 1)),
+            self, verify_ms=tuple(max(added(self.verify_ms, rows * n), MIN_MS) for n in n_verify),
             draft_ms=tuple(self.draft(rows * w) for w in range(1, len(self.draft_ms) + 1)),
-            verify_ms_per_1k=tuple(_extended(self.verify_ms_per_1k, rows * n)
+            verify_ms_per_1k=tuple(max(added(self.verify_ms_per_1k, rows * n), 0.0)
                                    for n in range(1, len(self.verify_ms_per_1k) + 1)))
 
     def knee(self, ratio: float = KNEE_RATIO) -> int:

@@ -93,16 +93,17 @@ class StepPlan:
     top_k: int                    # K: children per expanded node, the frontier's width
     context: int = 0              # the longest row's committed tokens (what the verify attends over)
     unread: tuple[bool, ...] = ()   # each row's drafter would first read a long prompt's window (``Drafter.unread``)
+    riding: int = 0               # prompt tokens read in the verify's forward (a chunk of a prompt arriving)
 
     @classmethod
     def fixed(cls, methods: Sequence[Method], config: GraftConfig, context: int = 0,
-              unread: tuple[bool, ...] = ()) -> "StepPlan":
+              unread: tuple[bool, ...] = (), riding: int = 0) -> "StepPlan":
         """The config as it is, for rows of these methods: N = budget when any row speculates;
         drafts no deeper or wider than N nodes can verify."""
         N = config.budget if any(m.speculates for m in methods) else 1
         return cls(N, tuple(m.drafts and N > 1 for m in methods),
                    tuple(math.log(config.tau) if m.prune else -math.inf for m in methods),
-                   verifiable(config.max_depth, N), verifiable(config.top_k, N), context, unread)
+                   verifiable(config.max_depth, N), verifiable(config.top_k, N), context, unread, riding)
 
     @property
     def drafting(self) -> bool:
@@ -199,6 +200,7 @@ class StepPolicy(StepController):
     def __init__(self, cost: StepCost, top_k: int, budget: int = 16, draft_rates: list[float] | None = None,
                  fixed_width: bool = False, rows: int = 1):
         self.budget, self.draft_rates, self.fixed_width, self.rows = budget, draft_rates, fixed_width, rows
+        self.single = cost                  # one row's; a step carrying a prompt chunk costs what it adds to it
         self.measured = cost = cost.batch(rows)
         self.top_k = max(verifiable(top_k, budget), 1)     # as wide as the step drafts
         self.at_context(cost.context)
@@ -216,9 +218,10 @@ class StepPolicy(StepController):
         # a batch's nodes accepted and expected (decayed; equal priors): ``belief`` scales the estimates
         self.accepted = self.expected = BELIEF_PRIOR / (1 - RATE_DECAY)
 
-    def at_context(self, context: int) -> None:
-        """Decide with the costs after ``context`` cached tokens (``StepCost.at``)."""
-        cost = self.cost = self.measured.at(context)
+    def at_context(self, context: int, riding: int = 0) -> None:
+        """Decide with the costs after ``context`` cached tokens (``StepCost.at``), of a step whose
+        verify carries ``riding`` prompt tokens (``StepCost.batch``)."""
+        cost = self.cost = (self.single.batch(self.rows, riding) if riding else self.measured).at(context)
         n = min(self.budget, len(cost.verify_ms))
         # what one more verified node costs: the verify curve's mean slope up to N (~0 where flat)
         self.row_ms = (cost.verify_ms[n - 1] - cost.verify_ms[0]) / (n - 1) if n > 1 else 0.0
@@ -298,7 +301,7 @@ class StepPolicy(StepController):
         not pay. A plain step (planned so before this controller) stays as it is."""
         if plan.budget == 1:
             return plan
-        self.at_context(plan.context)
+        self.at_context(plan.context, plan.riding)
         log_tau = tuple(t if t == -math.inf else self.depth_log_tau(self.draft_rates, SCORE_EDGES, t)
                         for t in plan.log_tau)
         drafts = plan.drafts if self.should_draft() else (False,) * len(plan.drafts)
@@ -310,8 +313,11 @@ class StepPolicy(StepController):
     def observe(self, plan: StepPlan, seen: Observation) -> None:
         if seen.draft_rates is not None:
             self.draft_rates = seen.draft_rates
-        self.count(seen.committed, seen.verified, seen.draft_widths, seen.drafted, seen.drafted_accepted,
-                   seen.drafted_verified)
+        if plan.riding:     # a step carrying a prompt's chunk: its forward is the chunk's, not the rate's
+            self.at_context(plan.context)
+        else:
+            self.count(seen.committed, seen.verified, seen.draft_widths, seen.drafted, seen.drafted_accepted,
+                       seen.drafted_verified)
         # decayed every step, with a step's worth of prior: a batch that stopped verifying wide
         # drifts back to believing its estimates, and tries wider trees again
         self.accepted = RATE_DECAY * self.accepted + seen.accepted + BELIEF_PRIOR
@@ -376,14 +382,18 @@ class PlainCheck(StepController):
         return self.SPECULATE if spec[0] / spec[1] >= self.plain[0] / self.plain[1] else self.PLAIN
 
     def plan(self, plan: StepPlan, free: Tensor | None) -> StepPlan:
-        self._asked, self._tried = plan.budget > 1, None
-        if not self._asked:
+        """A step carrying a prompt's chunk takes the situation's best arm, neither a try nor counted:
+        its time is mostly the chunk's."""
+        self._asked, self._tried = plan.budget > 1 and not plan.riding, None
+        if plan.budget == 1:
             return plan
-        k = self.situation = DraftGate.situation(0.0 if free is None else sum(host_read(free)))
+        k = DraftGate.situation(0.0 if free is None else sum(host_read(free)))
         arm = self.best(k)
-        self.since[k] += 1
-        if self.since[k] >= self.every[k]:
-            self.since[k], self._tried, arm = 0, arm, 1 - arm
+        if self._asked:
+            self.situation = k
+            self.since[k] += 1
+            if self.since[k] >= self.every[k]:
+                self.since[k], self._tried, arm = 0, arm, 1 - arm
         undrafted = (False,) * len(plan.drafts)
         if arm == self.PLAIN:
             return dataclasses.replace(plan, budget=1, drafts=undrafted)

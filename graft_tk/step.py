@@ -13,7 +13,7 @@ Top to bottom, for the B rows at once:
                     ``build_tree``: prune, rerank, graft, the N - 1 likeliest nodes, mask bits
                     -> ``Proposal``
   7.   verify       one target forward over every row's tree (tree attention; each row over its
-                    own prefix, a device tensor)
+                    own prefix, a device tensor), and a prompt's next chunk where one is being read
   8.   accept       the target's choice at every node (``graft_tk.sampling.choose``), then ONE
                     ``accept`` (path, bonus, the successor table's rows)
   9.   commit       on the device: new tokens into each row's context, the path's KV into place
@@ -39,11 +39,13 @@ import torch
 from torch import Tensor
 
 from .acceptance import node_probs, on_path_mask
+from .compiled import EAGER_PREFILL_CHUNK
 from .config import GraftConfig
 from .counters import StepCounters, counting, host_read
 from .drafting import DraftPool, DraftRequest, waiting_rows
 from .models import exact
 from .models.attention import AttentionPlan
+from .models.transformer import Part
 from .policy import Observation, RankedValues, StepController, StepPlan
 from .request import Request
 from .runtime import Runtime
@@ -64,14 +66,16 @@ class StepRecord:
     seconds: float
     tokens: int
     counters: StepCounters
+    prompt_tokens: int = 0      # of a prompt being read, carried in its forward
 
 
 class Prefill:
     """Start ``request`` in cache row ``row``: the target's prefill (its last position's logits
     give the first token; the sources that warm from the prompt read every position's states),
     the drafter's start, the prompt and the first token into the row's context. ``read`` reads
-    the prompt a chunk at a time (a server runs decode steps of the other rows between chunks)
-    or all of what is left, ``finish`` starts the request once all of it is read.
+    the next chunk of the prompt, or all of what is left, in forwards of its own; ``parts`` /
+    ``took`` read a chunk inside a decode step's verify forward (the batch's other rows decode
+    meanwhile); ``finish`` starts the request once all of it is read.
     ``speculates`` / ``drafts`` False: no step of this batch ever will (every config's N = 1 /
     D = 0), so the warm-ups / the drafter's start are skipped. ``row`` may change between
     chunks (the batch moves rows as requests leave)."""
@@ -99,11 +103,39 @@ class Prefill:
 
     def read(self, tokens: int | None = None) -> None:
         """Read the next ``tokens`` of the prompt (None: the rest) into the row's cache."""
-        runtime, stop = self.runtime, self.total if tokens is None else min(self.total, self.tokens_read + tokens)
+        runtime, stop = self.runtime, self._stop(tokens)
         with runtime.kv.rows(self.row, self.row + 1):
             out = runtime.target_step.prefill(self.prompt, hidden_layers=self.taken, attention=runtime.target_attention,
                                               progress=self.request.on_prefill, start=self.tokens_read, stop=stop,
                                               grid=exact.PREFILL_GRID if runtime.exact else None)
+        self._took(out, stop)
+
+    def parts(self, tokens: int) -> list[Part]:
+        """The next ``tokens`` of the prompt as parts of a packed forward (``Transformer.forward_packed``:
+        the chunk rides in a decode step's verify), cut where ``read`` cuts its forwards; the
+        forward's outputs for them go to ``took``."""
+        grid = exact.PREFILL_GRID if self.runtime.exact else EAGER_PREFILL_CHUNK
+        parts, device, s, stop = [], self.prompt.device, self.tokens_read, self._stop(tokens)
+        while s < stop:
+            t = min(grid - s % grid, stop - s)
+            parts.append(Part(self.prompt[:, s:s + t], torch.arange(s, s + t, device=device)[None],
+                              AttentionPlan.causal(s, 1, t, device), (self.row, self.row + 1), -1, self.taken))
+            s += t
+        return parts
+
+    def took(self, parts: list[Part], outs: list) -> None:
+        """The packed forward's outputs ``outs`` for ``parts`` (made by ``parts``): the chunk is read."""
+        for part, out in zip(parts, outs):
+            stop = self.tokens_read + part.tokens.shape[1]
+            self._took(out, stop)
+            if self.request.on_prefill is not None:
+                self.request.on_prefill(stop, self.total)
+
+    def _stop(self, tokens: int | None) -> int:
+        return self.total if tokens is None else min(self.total, self.tokens_read + tokens)
+
+    def _took(self, out, stop: int) -> None:
+        """A forward's output over the prompt up to ``stop``: the last logits, the features taken."""
         self.logits, features = (out, None) if self.taken is None else out
         if features is not None:
             self.hidden.append(features[0])
@@ -131,26 +163,30 @@ class Prefill:
 
 
 def decode_step(runtime: Runtime, state: SpecState, controller: StepController, rows: list[Request],
-                context: Tensor, config: GraftConfig, may_draft: bool = True) -> StepRecord:
+                context: Tensor, config: GraftConfig, may_draft: bool = True, chunk: Prefill | None = None,
+                chunk_tokens: int = 0) -> StepRecord:
     """One step of every request in ``rows`` (cache rows 0 .. B - 1, ``context`` [B, L] their
     committed tokens) at ``config``'s N, tau and D as ``controller`` plans them (``may_draft``
-    False: no row drafts); see the module docstring."""
+    False: no row drafts); see the module docstring. ``chunk``: a prompt being read in row B,
+    whose next ``chunk_tokens`` ride in the verify's forward (``Prefill.parts``)."""
     counters = StepCounters(count_torch_ops=runtime.count_torch_ops)
     t0, committed_before = time.perf_counter(), sum(len(r.out) for r in rows)
-    with counting(counters), runtime.kv.rows(0, len(rows)):
+    with counting(counters), runtime.kv.rows(0, len(rows) + (chunk is not None)):
         clock = _Clock(rows)
         drafter = runtime.drafter
         unread = tuple(drafter is not None and drafter.unread(b) for b in range(len(rows)))
-        plan = StepPlan.fixed([r.method for r in rows], config, max(r.length for r in rows), unread)
+        parts = chunk.parts(chunk_tokens) if chunk is not None else []
+        plan = StepPlan.fixed([r.method for r in rows], config, max(r.length for r in rows), unread,
+                              riding=sum(p.tokens.shape[1] for p in parts))
         if drafter is not None:     # a new row's drafter reads between the batch's steps
             waiting = waiting_rows(drafter, plan.drafts)
             plan = dataclasses.replace(plan, drafts=tuple(d and not w and may_draft
                                                           for d, w in zip(plan.drafts, waiting)))
         proposal = _propose(runtime, state, controller, rows, context, plan, clock)
-        outcome = _verify_and_commit(runtime, state, rows, context, proposal, clock)
+        outcome = _verify_and_commit(runtime, state, rows, context, proposal, clock, chunk, parts)
         seen = _settle(runtime, state, controller, rows, proposal, outcome, clock)
     record = StepRecord(len(rows), proposal.built.tokens.shape[1], time.perf_counter() - t0,
-                        sum(len(r.out) for r in rows) - committed_before, counters)
+                        sum(len(r.out) for r in rows) - committed_before, counters, plan.riding)
     controller.observe(proposal.plan, dataclasses.replace(seen, committed=record.tokens,
                                                           seconds=record.seconds - proposal.pool.reading_seconds))
     for r in rows:
@@ -255,10 +291,11 @@ class Outcome:
 
 
 def _verify_and_commit(runtime: Runtime, state: SpecState, rows: list[Request], context: Tensor, proposal: Proposal,
-                       clock: _Clock) -> Outcome:
-    """Steps 7-9's device part: one target forward over every row's tree, the choices, one accept
-    (updating the successor table), the new tokens into the context, the path's KV into place.
-    No host read."""
+                       clock: _Clock, chunk: Prefill | None = None, parts: list[Part] = ()) -> Outcome:
+    """Steps 7-9's device part: one target forward over every row's tree (and ``parts``, the
+    next chunk of ``chunk``'s prompt, in the same forward), the choices, one accept (updating
+    the successor table), the new tokens into the context, the path's KV into place. No host
+    read."""
     built = proposal.built
     B, N = built.tokens.shape
     device, ops = runtime.device, runtime.ops
@@ -267,8 +304,14 @@ def _verify_and_commit(runtime: Runtime, state: SpecState, rows: list[Request], 
     positions = target_len[:, None] + built.depth.long()
     plan = AttentionPlan.tree(target_len, built.attn_mask(), max(r.target_len for r in rows) + N)
     layers = runtime.drafter.target_layers if runtime.drafter is not None else None
-    out = runtime.target_step(built.tokens.clamp(min=0), positions, plan, hidden_layers=layers,   # padding runs as 0
-                              attention=runtime.target_attention)
+    tokens = built.tokens.clamp(min=0)      # padding runs as 0
+    if parts:
+        outs = runtime.target_step.packed([Part(tokens, positions, plan, (0, B), None, layers), *parts],
+                                          attention=runtime.target_attention)
+        out = outs[0]
+        chunk.took(parts, outs[1:])
+    else:
+        out = runtime.target_step(tokens, positions, plan, hidden_layers=layers, attention=runtime.target_attention)
     logits, features = (out, None) if layers is None else out
     choice = choose(logits, positions + 1, [r.sampling for r in rows])
     table = state.successors      # written for the rows whose method reads it

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import graft_tk
+import graft_tk.step
 from graft_tk.batch import decode_batch
 from graft_tk.bench.prompts import load_prompts
 from graft_tk.config import GraftConfig
@@ -88,7 +89,8 @@ def test_requests_join_and_leave_between_steps(smollm2, self_drafter, prompts, a
 def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode(smollm2, self_drafter, prompts, method,
                                                                         monkeypatch):
     """With prefill_chunk C a prompt that arrives while others decode is read by the next steps,
-    C tokens each, in the row after theirs, and joins them once read; the others commit tokens meanwhile, one
+    C tokens each, in the row after theirs and in the same target forward as their verify, and
+    joins them once read; the others commit tokens meanwhile, one
     of them leaves (the prompt's row moves down with it), and every answer is plain decoding's (fp32).
     A drafting batch's new row reads its drafter's prompt between steps, never inside one, and a
     step that reads a chunk or a drafter's prompt does not draft (the others' streams would wait
@@ -100,8 +102,8 @@ def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode(smollm2,
     batch = Engine(smollm2, self_drafter).batch(3, prefill_chunk=64)
     order: list[str] = []
     calls = record_drafter_reads(monkeypatch, batch.runtime.drafter, order)
-    real_read = batch._read
-    monkeypatch.setattr(batch, "_read", lambda *a: (order.append("chunk"), real_read(*a)))
+    real_parts = graft_tk.step.Prefill.parts
+    monkeypatch.setattr(graft_tk.step.Prefill, "parts", lambda *a: (order.append("chunk"), real_parts(*a))[1])
     with torch.inference_mode():
         staying = batch.add(prompts[2], method, max_new_tokens=24)     # nothing decodes: read at once
         leaving = batch.add(prompts[3], method, max_new_tokens=4)      # read by the next step
@@ -111,11 +113,16 @@ def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode(smollm2,
         reading = batch.add(long_ids, method, max_new_tokens=16)
         assert batch.prefilling.request is reading and batch.prefilling.tokens_read == 0 and len(batch) == 3
         chunks, running = 0, leaving not in finished
+        net, forwards = smollm2.net, []
+        real_forward, real_packed = net.forward, net.forward_packed
+        monkeypatch.setattr(net, "forward", lambda *a, **k: (forwards.append("forward"), real_forward(*a, **k))[1])
+        monkeypatch.setattr(net, "forward_packed", lambda *a, **k: (forwards.append("packed"), real_packed(*a, **k))[1])
         while batch.prefilling is not None:
-            before = len(staying.out)
+            before, forwards[:] = len(staying.out), []
             finished += batch.step()
             chunks += 1
             assert len(staying.out) > before                 # it decodes while the prompt is read
+            assert forwards == ["packed"]                    # ONE target forward: the rows' verify and the chunk
         assert chunks == -(-len(long_ids) // 64) and leaving in finished
         assert running or method != "ar"                     # ar: one token a step, so it left mid-read
         assert batch.rows == [staying, reading] and len(reading.out) >= 1

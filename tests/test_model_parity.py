@@ -99,3 +99,39 @@ def test_commit_kv_moves_every_layer(random_pair):
                                                                               block], 2), 13))
     commit_kv(ours.kv, torch.tensor([[10, 11, 12]]), torch.tensor([5]))
     assert torch.allclose(ours.kv[:, :, :, :, :8], contiguous, atol=1e-6)
+
+
+def test_a_packed_forward_computes_what_its_parts_compute_apart(random_pair):
+    """A verify of 2 rows (a 4-node tree each) and a third row's prompt chunk in two parts, in ONE
+    forward (their rows stacked for every linear layer): each part's logits, features and cache
+    writes equal its own forward's (fp32 rounding); a part naming rows the cache lacks is refused."""
+    from graft_tk.errors import InputError
+    from graft_tk.models.transformer import Part
+    _, ours = random_pair
+    g = torch.Generator().manual_seed(5)
+    ours.setup_cache(64, batch_size=3)
+    for row, n in ((0, 20), (1, 13)):
+        with ours.cache_rows(row, row + 1):
+            ours(torch.randint(0, 301, (1, n), generator=g), torch.arange(n), 0)
+    tree, chunk = torch.randint(0, 301, (2, 4), generator=g), torch.randint(0, 301, (1, 15), generator=g)
+    prefix = torch.tensor([20, 13])
+    block = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    plan = AttentionPlan.tree(prefix, block[None].expand(2, -1, -1).contiguous(), 24)
+    positions = prefix[:, None] + torch.tensor([0, 1, 1, 2])
+    before = ours.kv.clone()
+    with ours.cache_rows(0, 2):
+        want_tree = ours(tree, positions, plan)
+    with ours.cache_rows(2, 3):
+        want_chunk, want_hidden = ours(chunk, torch.arange(15), 0, logits_at=-1, hidden_layers=(0, 2))
+    apart = ours.kv.clone()
+    ours.kv.copy_(before)
+    halves = [Part(chunk[:, a:b], torch.arange(a, b)[None], AttentionPlan.causal(a, 1, b - a, "cpu"), (2, 3), -1,
+                   (0, 2)) for a, b in ((0, 8), (8, 15))]
+    got_tree, (_, first_hidden), (got_chunk, second_hidden) = ours.forward_packed(
+        [Part(tree, positions, plan, (0, 2)), *halves])
+    torch.testing.assert_close(got_tree, want_tree, atol=LOGITS_FP32_ATOL, rtol=0)
+    torch.testing.assert_close(got_chunk, want_chunk, atol=LOGITS_FP32_ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat([first_hidden, second_hidden], 1), want_hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.kv, apart, atol=1e-5, rtol=1e-5)
+    with pytest.raises(InputError, match="cache rows"):
+        ours.forward_packed([Part(tree, positions, plan, (2, 4))])

@@ -234,6 +234,48 @@ def test_a_batch_costs_its_rows_tokens_and_extends_the_curve_by_its_slope():
     assert two.step_ms == 1.0 and len(two.verify_ms_per_1k) == 4
 
 
+def test_a_verify_carrying_a_prompt_chunk_costs_what_its_nodes_add_to_the_chunks_forward():
+    """A step whose forward reads a prompt's chunk of c tokens (riding) pays for its rows' nodes
+    only what they add to that forward: the curve at c + rows x n minus the curve at c."""
+    cost = StepCost(verify_ms=(10.0, 10.0, 12.0, 14.0), draft_ms=(1.0, 2.0), step_ms=1.0, verify_ms_per_1k=(1.0,) * 4)
+    riding = cost.batch(2, riding=2)
+    assert riding.verify_ms == (4.0, 8.0, 12.0, 16.0)     # curve(4, 6, 8, 10) - curve(2) = 14 - 10, 18 - 10, ...
+    assert cost.batch(1, riding=1).verify_ms[0] == pytest.approx(1e-3)   # a flat curve adds nothing: still positive
+    assert riding.draft_ms == cost.batch(2).draft_ms
+
+
+def test_a_step_carrying_a_chunk_is_neither_a_try_nor_counted_and_verifies_by_its_added_cost():
+    """Its seconds are mostly the chunk's: the plain check takes the situation's best arm without
+    counting it or trying the other; the cost policy leaves its rate alone and prices the nodes at
+    what they add to the chunk's forward: where a verify alone is flat (its weight read), they are
+    no longer free."""
+    plan = StepPlan.fixed([METHODS["graft"]] * 4, GraftConfig())
+    check, none = PlainCheck(), torch.zeros(4)
+    for _ in range(2 * EXPLORE_EVERY):      # speculation slower than plain decoding: plain, tries aside
+        p = check.plan(plan, none)
+        check.observe(p, Observation(*((4, 0.2) if p.budget == 1 else (5, 0.28)), p.budget, (), False, 0, 0))
+    assert check.best() == PlainCheck.PLAIN
+    since, counts = list(check.since), [list(c) for c in (check.plain, *check.speculating)]
+    riding = dataclasses.replace(plan, riding=256)
+    for _ in range(3 * EXPLORE_EVERY):      # never a try of speculation, never counted
+        p = check.plan(riding, none)
+        assert p.budget == 1
+        check.observe(p, Observation(100, 0.01, 1, (), False, 0, 0))
+    assert check.since == since and [list(c) for c in (check.plain, *check.speculating)] == counts
+    # a forward flat to 8 tokens, then 2 ms a token: 2 rows alone verify 4 nodes each for the
+    # price of one; carrying 256 prompt tokens every node costs 2 ms, more than a 0.3 node brings
+    cost = StepCost(verify_ms=tuple(10.0 + 2 * max(n - 8, 0) for n in range(1, 17)), draft_ms=(), step_ms=0.0)
+    two = StepPlan.fixed([METHODS["graft"]] * 2, GraftConfig())
+    policy = StepPolicy(cost, top_k=1, budget=16, rows=2)
+    unlikely = RankedValues(torch.full((2, 16), math.log(0.3)))
+    alone = policy.width(policy.plan(two, None), unlikely)
+    rate = policy.rate
+    riding = dataclasses.replace(two, riding=256)
+    carrying = policy.width(policy.plan(riding, None), unlikely)
+    policy.observe(riding, Observation(400, 1e-3, carrying, (), False, 0, 0))
+    assert (alone, carrying) == (4, 1) and policy.rate == rate and policy.cost.verify_ms == policy.measured.verify_ms
+
+
 def test_drafting_that_lowers_the_rate_below_plain_decodings_does_not_confirm_itself():
     """R never falls below plain decoding's rate: drafting steps whose accepted nodes only pay at
     their own lowered rate stop. (4 rows on a 2-core CPU: ~9 drafted nodes accepted for ~700 ms

@@ -311,7 +311,7 @@ def test_batched_forty_requests_eight_at_a_time_all_complete_unmixed(smollm2, ba
     assert scheduler.peak_batch == 4
     # /metrics splits the batched steps by size and budget, and they committed the tokens
     text = httpx.get(url + "/metrics").text
-    sizes = {int(b) for b in re.findall(r'^graft_batch_steps_total\{size="(\d+)",budget="\d+"\} [1-9]', text, re.M)}
+    sizes = {int(b) for b in re.findall(r'^graft_batch_steps_total\{size="(\d+)",budget="\d+",prompt_chunk="\w+"\} [1-9]', text, re.M)}
     assert max(sizes) == 4
     assert 0 < metric(url, "batch_step_tokens_total") <= metric(url, "completion_tokens_total")
 

@@ -218,11 +218,13 @@ def latencies(samples: Samples) -> dict:
 
 
 def time_split(metrics: Metrics) -> dict:
-    """Where the decode thread's time went: prefills, and steps by (requests in the step, budget N)."""
+    """Where the decode thread's time went: prefills (a request's arrival to its first token), and
+    steps by (requests in the step, budget N, "+chunk" where its forward read a prompt's chunk too)."""
     out = {"prefill": {"seconds": metrics.phase_seconds["prefill"]}}
-    for (size, budget), n in sorted(metrics.batch_steps.items()):
-        out[f"B{size} N{budget}"] = {"steps": n, "seconds": metrics.batch_step_seconds[size, budget],
-                                     "tokens": metrics.batch_step_tokens[size, budget]}
+    for (size, budget, chunk), n in sorted(metrics.batch_steps.items()):
+        key = (size, budget, chunk)
+        out[f"B{size} N{budget}" + (" +chunk" if chunk else "")] = {
+            "steps": n, "seconds": metrics.batch_step_seconds[key], "tokens": metrics.batch_step_tokens[key]}
     return out
 
 

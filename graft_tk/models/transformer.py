@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -166,6 +166,29 @@ def ensure_cache(module: nn.Module, n_layers: int, batch_size: int, n_kv_heads: 
         module.kv[:, :, :, :, :kv.shape[4]] = kv
 
 
+@dataclass(frozen=True, eq=False)
+class Part:
+    """One group of batch rows in a packed forward (``Transformer.forward_packed``): its new
+    tokens, their positions and plan, the cache rows they attend over and write (``rows``
+    [start, stop) of the cache the forward is given), and what to return of them, as
+    ``Transformer.forward``'s arguments of the same names. A decode step's verify (B rows of N
+    nodes) and a prompt's next chunk (one row of C tokens) are two parts of ONE forward: their
+    linear layers read each weight once for both."""
+    tokens: Tensor                  # [b, t]
+    positions: Tensor               # [b, t]
+    plan: AttentionPlan
+    rows: tuple[int, int]
+    logits_at: int | Tensor | None = None
+    hidden_layers: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class _Packed:
+    part: Part
+    cos: Tensor
+    sin: Tensor
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that on a CPU multiplies the way its plan says for each call width
     (``cpu_paths``: measured by graft-autotune; None, the default, is plain ``F.linear``)."""
@@ -188,11 +211,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x [B, T, in] -> q [B, H, T, Dh], k, v [B, Hkv, T, Dh], RoPE applied."""
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor, qkv: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, in] -> q [B, H, T, Dh], k, v [B, Hkv, T, Dh], RoPE applied (``qkv``: ``wqkv(x)``)."""
         B, T, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = (self.wqkv(x) if qkv is None else qkv).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -204,12 +227,31 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, layer: int, plan: AttentionPlan,
                 attention: Callable) -> Tensor:
         # x: [B, T, dim]; kv: the whole cache [L, 2, B, Hkv, S, Dh]; the plan's slots [B, T]: where the new K/V go
+        return self.wo(self.attend(x, cos, sin, kv, layer, plan, attention))
+
+    def attend(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, layer: int, plan: AttentionPlan,
+               attention: Callable, qkv: Tensor | None = None) -> Tensor:
+        """The attention's output before ``wo``: [B, T, H * Dh]. ``qkv``: ``wqkv(x)`` already
+        computed (a packed forward projects all its parts in one GEMM)."""
         B, T, _ = x.shape
-        q, k, v = self.project(x, cos, sin)
+        q, k, v = self.project(x, cos, sin, qkv)
         write_kv(kv, layer, plan.slots, k, v)
         out = attention(q.to(kv.dtype), kv[layer, 0], kv[layer, 1], plan.prefix, plan.block, plan.keys,
                         validate=layer == 0).to(x.dtype)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        return out.transpose(1, 2).reshape(B, T, -1)
+
+    def forward_packed(self, x: Tensor, parts: Sequence[_Packed], kv: Tensor, layer: int,
+                       attention: Callable) -> Tensor:
+        """x [n, dim]: the rows of every part, in order; each part attends over its own cache rows
+        and plan, the projections run once over all of them."""
+        qkv, outs, at = self.wqkv(x), [], 0
+        for p in parts:
+            b, t = p.part.tokens.shape
+            rows = slice(at, at + b * t)
+            outs.append(self.attend(x[rows].view(b, t, -1), p.cos, p.sin, kv[:, :, p.part.rows[0]:p.part.rows[1]],
+                                    layer, p.part.plan, attention, qkv[rows].view(b, t, -1)).view(b * t, -1))
+            at += b * t
+        return self.wo(torch.cat(outs))
 
 
 def write_kv(kv: Tensor, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
@@ -249,6 +291,10 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, kv, layer, plan, attention):
         x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer, plan, attention)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def forward_packed(self, x, parts, kv, layer, attention):
+        x = x + self.attention.forward_packed(self.attention_norm(x), parts, kv, layer, attention)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -351,6 +397,52 @@ class Transformer(nn.Module):
         if hidden_layers is None:
             return logits
         return logits, torch.cat([taken[i] for i in hidden_layers], dim=-1)
+
+    def forward_packed(self, parts: Sequence[Part], attention: Callable | None = None,
+                       kv: Tensor | None = None) -> list[Tensor | tuple[Tensor, Tensor]]:
+        """Several parts' new tokens in ONE forward: what ``forward`` returns for each, in order
+        (its ``logits_at`` and ``hidden_layers``). The parts' rows are stacked for every linear
+        layer (each weight read once: on a CPU a decode step's weight read is most of its cost,
+        and a prompt chunk's GEMM takes a few more rows nearly free) and each part attends over
+        its own cache rows with its own plan, in order: a later part of the same row sees what
+        an earlier one wrote."""
+        kv = self.kv if kv is None else kv
+        if kv is None:
+            raise RuntimeError("the model has no KV cache; call setup_cache first")
+        packed = []
+        for p in parts:
+            b, t = p.tokens.shape
+            start, stop = p.rows
+            if not 0 <= start < stop <= kv.shape[2] or stop - start != b:
+                raise InputError(f"a part of {b} rows reads cache rows {p.rows}; the cache has {kv.shape[2]}")
+            p.plan.check(b, t, kv.shape[4])
+            if p.hidden_layers is not None and not all(0 <= i < len(self.layers) for i in p.hidden_layers):
+                raise InputError(f"hidden_layers must be layer indices in [0, {len(self.layers)}), got {p.hidden_layers}")
+            packed.append(_Packed(p, *self.rope.at(p.positions)))
+        x = self.tok_embeddings(torch.cat([p.tokens.reshape(-1) for p in parts]))
+        taken: dict[int, Tensor] = {}
+        wanted = {i for p in parts for i in p.hidden_layers or ()}
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_packed(x, packed, kv, i, attention or reference_attention)
+            if i in wanted:
+                taken[i] = x
+        # every part's selected positions through the LM head at once (its weight read once too)
+        selected, hidden, at = [], [], 0
+        for p in parts:
+            b, t = p.tokens.shape
+            rows = slice(at, at + b * t)
+            selected.append(select_positions(x[rows].view(b, t, -1), p.logits_at))
+            hidden.append(None if p.hidden_layers is None else
+                          torch.cat([taken[i][rows].view(b, t, -1) for i in p.hidden_layers], dim=-1))
+            at += b * t
+        logits = self.logits(torch.cat([s.reshape(-1, s.shape[-1]) for s in selected]))
+        out, at = [], 0
+        for p, s, h in zip(parts, selected, hidden):
+            n = s.shape[0] * s.shape[1]
+            part_logits = logits[at:at + n].view(s.shape[0], s.shape[1], -1)
+            out.append(part_logits if h is None else (part_logits, h))
+            at += n
+        return out
 
     def logits(self, x: Tensor) -> Tensor:
         """The LM head over the last layer's residual stream x [..., dim]: fp32 logits [..., V]."""

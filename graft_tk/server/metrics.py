@@ -57,7 +57,7 @@ class Metrics:
 
     def observe_step(self, record) -> None:
         """One batched step (``graft_tk.batch.StepRecord``)."""
-        key = (record.size, record.budget)
+        key = (record.size, record.budget, record.prompt_tokens > 0)
         with self._lock:
             self.batch_steps[key] += 1
             self.batch_step_seconds[key] += record.seconds
@@ -117,13 +117,16 @@ class Metrics:
             metric("phase_seconds_total", "counter", "Decoding time by phase of the step.",
                    [({"phase": ph}, float(t)) for ph, t in sorted(self.phase_seconds.items())])
             by_size = sorted(self.batch_steps)
-            metric("batch_steps_total", "counter", "Batched decode steps, by requests in the step and the nodes "
-                   "each verified (budget 1 = no speculation).",
-                   [({"size": b, "budget": n}, self.batch_steps[b, n]) for b, n in by_size])
-            metric("batch_step_seconds_total", "counter", "Seconds in batched decode steps, by size and budget.",
-                   [({"size": b, "budget": n}, float(self.batch_step_seconds[b, n])) for b, n in by_size])
-            metric("batch_step_tokens_total", "counter", "Tokens committed by batched decode steps, by size and "
-                   "budget.", [({"size": b, "budget": n}, self.batch_step_tokens[b, n]) for b, n in by_size])
+
+            def labels(b, n, chunk):
+                return {"size": b, "budget": n, "prompt_chunk": "yes" if chunk else "no"}
+            metric("batch_steps_total", "counter", "Batched decode steps, by requests in the step, the nodes each "
+                   "verified (budget 1 = no speculation) and whether its forward read a prompt's chunk too.",
+                   [(labels(*k), self.batch_steps[k]) for k in by_size])
+            metric("batch_step_seconds_total", "counter", "Seconds in batched decode steps, by size, budget and "
+                   "prompt chunk.", [(labels(*k), float(self.batch_step_seconds[k])) for k in by_size])
+            metric("batch_step_tokens_total", "counter", "Tokens committed by batched decode steps, by size, "
+                   "budget and prompt chunk.", [(labels(*k), self.batch_step_tokens[k]) for k in by_size])
             metric("queue_depth", "gauge", "Requests waiting to decode.", [({}, queued)])
             metric("requests_running", "gauge", "Requests decoding now.", [({}, running)])
             out += self.latency.render("request_latency_seconds", "Request time from arrival to its last token.")
