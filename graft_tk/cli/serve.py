@@ -6,13 +6,13 @@
 
 Up to --max-batch requests decode together (first come first served, continuous batching), with
 one engine whose adjacency matrix (retrieval's source) stays warm across requests; a prompt that
-arrives while others decode is read a chunk a step (--prefill-chunk, --prefill-seconds); up to
---max-queue wait, more get 429. Each finished request logs one line. SIGTERM (or Ctrl-C) stops
-accepting, lets requests in flight finish for --grace seconds, then cancels the rest: their
-clients get a 503 error (a stream as its last event) and the server exits 0. GET /metrics
-(Prometheus text): requests and tokens, time to first token and inter-token latency histograms,
-accepted tokens by source, steps by batch size and the nodes they verified per request (1: no
-speculation).
+arrives while others decode is read a chunk a step, in the forward of their verify
+(--prefill-chunk, --prefill-seconds); up to --max-queue wait, more get 429. Each finished request
+logs one line. SIGTERM (or Ctrl-C) stops accepting, lets requests in flight finish for --grace
+seconds, then cancels the rest: their clients get a 503 error (a stream as its last event) and
+the server exits 0. GET /metrics (Prometheus text): requests and tokens, time to first token and
+inter-token latency histograms, accepted tokens by source, steps by batch size, the nodes they
+verified per request (1: no speculation) and whether they carried a prompt's chunk.
 """
 from __future__ import annotations
 
@@ -62,13 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "of this many tokens, allocated at start-up and never grown; longer requests get a 400 "
                         "(default: the model's context, at most 4096)")
     p.add_argument("--prefill-chunk", type=at_least(1), default=DEFAULT_PREFILL_CHUNK, metavar="TOKENS",
-                   help="a prompt arriving while other requests decode is read this many tokens per step, so their "
-                        "streams keep going while it is read, and its drafter reads between two steps, not in "
-                        "one (default: %(default)s)")
+                   help="a prompt arriving while other requests decode is read this many tokens per step, in the "
+                        "same target forward as their verify, so their streams keep going while it is read; its "
+                        "drafter reads between two steps, not in one (default: %(default)s)")
     p.add_argument("--prefill-seconds", type=at_least(0, float), default=DEFAULT_PREFILL_SECONDS, metavar="S",
-                   help="... and fewer where the server's last prompt reads say they would take longer than S "
-                        "seconds, the most a prompt chunk delays the streams decoding; 0: no bound but "
-                        "--prefill-chunk (default: %(default)s)")
+                   help="... and fewer where the server's last steps carrying a chunk say such a step would take "
+                        "longer than S seconds, the longest the streams decoding wait while a prompt is read; 0: "
+                        "no bound but --prefill-chunk (default: %(default)s)")
     p.add_argument("--policy-hold", type=at_least(0), default=8, metavar="STEPS",
                    help="a batch plans its N, tau and D for the most requests of the last STEPS steps, so the "
                         "gap between a client's requests does not switch the policy (default: %(default)s)")
