@@ -136,6 +136,28 @@ def test_a_long_prompt_is_read_a_chunk_per_step_while_the_others_decode(smollm2,
     assert ("draft" in order) == (method == "graft")
 
 
+def test_every_method_equals_ar_with_a_prompt_read_in_chunks_beside_three_decoding(smollm2, self_drafter, prompts):
+    """fp32, B = 4: three requests decode while a prompt of several 64-token chunks is read in
+    their steps' forwards; every method's answers are plain decoding's, each request alone."""
+    long_ids = encode_prompt(smollm2, "\n\n".join(p.text for p in load_prompts("humaneval")[:2]), chat=True)
+    assert len(long_ids) > 2 * 64
+    ids, lengths = [prompts[2], prompts[3], prompts[0], long_ids], [32, 32, 32, 8]
+    want = [graft_tk.decode(smollm2, i, max_new_tokens=n).tokens for i, n in zip(ids, lengths)]
+    engine = Engine(smollm2, self_drafter)
+    for method in METHODS:
+        batch = engine.batch(4, prefill_chunk=64)
+        with torch.inference_mode():
+            requests = [batch.add(ids[0], method, max_new_tokens=lengths[0])]
+            for i, n in zip(ids[1:], lengths[1:]):    # each read beside those decoding, as a server admits them
+                while batch.full:
+                    batch.step()
+                requests.append(batch.add(i, method, max_new_tokens=n))
+            assert batch.prefilling is not None and len(batch.rows) == 3
+            while len(batch):
+                batch.step()
+        assert [r.out for r in requests] == want, method
+
+
 def test_prefill_seconds_cuts_a_chunk_to_what_the_last_reads_say_fits(smollm2, prompts):
     """With prefill_seconds a step reads at most what the batch's measured read rate reads in that
     time (the nearest multiple of 32 tokens, at least 32, at most prefill_chunk); before any read is timed,
