@@ -71,7 +71,7 @@ class StepRecord:
 
 class Prefill:
     """Start ``request`` in cache row ``row``: the target's prefill (its last position's logits
-    give the first token; the sources that warm from the prompt read every position's states),
+    give the first token; the sources that warm from the prompt read its states chunk by chunk),
     the drafter's start, the prompt and the first token into the row's context. ``read`` reads
     the next chunk of the prompt, or all of what is left, in forwards of its own; ``parts`` /
     ``took`` read a chunk inside a decode step's verify forward (the batch's other rows decode
@@ -89,7 +89,7 @@ class Prefill:
         self.warmers = [s for s in state.sources if speculates and s.warms_from_prompt and method.uses(s.name)]
         self.prompt = torch.tensor([request.spec.ids], device=target.device)
         # Target features for an EAGLE-3 drafter, and the last layer's states for the sources that
-        # warm from the prompt (their logits made a chunk at a time, never [n, V] at once).
+        # warm from the prompt (read a chunk at a time as the prompt is, never [n, V] logits at once).
         self.taken = (*(self.layers or ()), target.net.config.n_layers - 1) if self.warmers else self.layers
         self.tokens_read, self.logits, self.hidden = 0, None, []
 
@@ -135,22 +135,23 @@ class Prefill:
         return self.total if tokens is None else min(self.total, self.tokens_read + tokens)
 
     def _took(self, out, stop: int) -> None:
-        """A forward's output over the prompt up to ``stop``: the last logits, the features taken."""
+        """A forward's output over the prompt up to ``stop``: the last logits, the features taken;
+        the sources that warm from the prompt read its last layer's states now, as it arrives."""
         self.logits, features = (out, None) if self.taken is None else out
+        if self.warmers:
+            target, dim = self.runtime.target.net, self.runtime.target.net.config.dim
+            for source in self.warmers:
+                source.warm(self.prompt[0], features[0, :, -dim:], target.logits, start=self.tokens_read)
+            features = features[..., :-dim] if self.layers is not None else None
         if features is not None:
             self.hidden.append(features[0])
         self.tokens_read = stop
 
     def finish(self, context: Tensor) -> None:
-        """Start the request once its prompt is read: warm-ups, the drafter, the first token into
-        ``context`` [L] (its row of the batch's)."""
+        """Start the request once its prompt is read: the drafter, the first token into ``context``
+        [L] (its row of the batch's)."""
         request, target, prompt, n = self.request, self.runtime.target, self.prompt, self.total
         features = torch.cat(self.hidden) if self.hidden else None
-        if self.warmers:
-            dim = target.net.config.dim
-            for source in self.warmers:
-                source.warm(prompt[0], features[:, -dim:], target.net.logits)
-            features = features[:, :-dim] if self.layers is not None else None
         if self.drafter is not None:
             self.drafter.start(self.row, prompt[0], features, self.runtime.ops)
         first = choose(self.logits, torch.tensor([[n]], device=target.device), [request.sampling])[0, 0]

@@ -158,6 +158,30 @@ def test_every_method_equals_ar_with_a_prompt_read_in_chunks_beside_three_decodi
         assert [r.out for r in requests] == want, method
 
 
+def test_m_warms_from_a_prompt_as_its_chunks_are_read(smollm2, prompts):
+    """A prompt read in chunks beside a decoding row fills M's rows for each chunk's tokens in the
+    step that reads it, before the rest of the prompt is read (the row decoding uses prompt lookup
+    only: it writes nothing to M)."""
+    long_ids = encode_prompt(smollm2, "\n\n".join(p.text for p in load_prompts("humaneval")[:2]), chat=True)
+    engine = Engine(smollm2)
+    M = None
+    batch = engine.batch(2, prefill_chunk=64)
+    with torch.inference_mode():
+        batch.add(prompts[0], "pld", max_new_tokens=48)
+        batch.add(long_ids, "retrieval", max_new_tokens=4)
+        M = engine.state.source("adjacency").matrix
+        assert (M == -1).all()
+        batch.step()
+        assert batch.prefilling is not None and batch.prefilling.tokens_read == 64
+        window = len(long_ids) - engine.config.warm_window       # M warms from the prompt's last positions
+        assert 0 <= window < 64
+        first, rest = set(long_ids[window:64]), set(long_ids[64:]) - set(long_ids[:64])
+        assert all((M[t] >= 0).all() for t in first) and rest and all((M[t] == -1).all() for t in rest)
+        while len(batch):
+            batch.step()
+        assert all((M[t] >= 0).all() for t in rest)
+
+
 def test_prefill_seconds_cuts_a_chunk_to_what_the_last_reads_say_fits(smollm2, prompts):
     """With prefill_seconds a step reads at most what the batch's measured read rate reads in that
     time (the nearest multiple of 32 tokens, at least 32, at most prefill_chunk); before any read is timed,

@@ -90,6 +90,32 @@ def test_warm_from_prefill():
         warm_adjacency(adj, prompt, logits[:, :8], head=lambda x: x)
 
 
+def test_the_source_warms_chunk_by_chunk_as_in_one_piece_within_its_window():
+    """AdjacencySource.warm called per chunk of a prompt as it is read (start = the chunk's first
+    position) leaves the M one call over the whole prompt leaves, its window counted from the
+    prompt's end: chunks before the window add nothing."""
+    from graft_tk.config import GraftConfig
+    from graft_tk.ops import ops_for
+    from graft_tk.sources import AdjacencySource
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, V, (30,), generator=g)
+    hidden = torch.randn(30, V, generator=g)
+
+    def source():
+        return AdjacencySource(GraftConfig(retrieval_k=K, template=(2, 2), tip_template=(), warm_window=12),
+                               ops_for("torch", "cpu"), "cpu", vocab_size=V)
+    whole, chunked = source(), source()
+    whole.warm(prompt, hidden, lambda x: x)
+    for start in range(0, 30, 7):
+        chunked.warm(prompt, hidden[start:start + 7], lambda x: x, start=start)
+    assert torch.equal(chunked.matrix, whole.matrix)
+    window = update_adjacency(new_adjacency(V, K), prompt[18:], hidden[18:])
+    assert torch.equal(whole.matrix, window)
+    early = source()
+    early.warm(prompt, hidden[:14], lambda x: x, start=0)      # wholly before the window
+    assert (early.matrix == -1).all()
+
+
 def test_warm_in_chunks_matches_one_piece(monkeypatch):
     # A prompt whose logits do not fit one chunk: ranked a few positions at a time (tokens repeat
     # across chunks, so the later-position rule must hold across them), the same M as in one piece,

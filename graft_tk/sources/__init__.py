@@ -91,9 +91,11 @@ class CandidateSource:
         """Count the outcome: ``on_path`` bool [B, N] the accepted nodes, ``nodes`` int32 [B, C] the
         tree node each candidate landed on (-1: not in the tree), ``note`` as proposed."""
 
-    def warm(self, prompt: Tensor, hidden: Tensor, head) -> None:
-        """A request's prefill (``warms_from_prompt``): ``prompt`` int64 [n], ``hidden`` [n, dim]
-        the target's last-layer states, ``head(hidden rows)`` their logits."""
+    def warm(self, prompt: Tensor, hidden: Tensor, head, start: int = 0) -> None:
+        """A request's prompt as the target reads it (``warms_from_prompt``): ``prompt`` int64 [n]
+        the whole prompt, ``hidden`` [m, dim] the target's last-layer states of its positions
+        ``start .. start + m - 1`` (one chunk; called chunk by chunk, in order), ``head(hidden
+        rows)`` their logits."""
 
     def expected_accepted(self, cand: Candidates) -> Tensor | None:
         """float32 [B]: the tokens its candidates are expected to get accepted, the draft gate's

@@ -138,11 +138,13 @@ class AdjacencySource(CandidateSource):
         if self.tip_depths:     # the tip templates' nodes (path positions are DRAFT: never counted here)
             self.tip_rates.count(self._cell.expand_as(nodes[:, T:]), tried[:, T:], accepted[:, T:])
 
-    def warm(self, prompt: Tensor, hidden: Tensor, head) -> None:
-        """M's rows from a prefill: position t's logits (``head(hidden[t])``) follow ``prompt[t]``,
-        for the last ``warm_window`` positions."""
-        start = 0 if self.warm_window is None else max(prompt.shape[0] - self.warm_window, 0)
-        warm_adjacency(self.matrix, prompt[start:], hidden[start:], head)
+    def warm(self, prompt: Tensor, hidden: Tensor, head, start: int = 0) -> None:
+        """M's rows from a prompt's chunk: position t's logits (``head(hidden[t - start])``) follow
+        ``prompt[t]``, for the positions among the prompt's last ``warm_window``."""
+        first = max(start, 0 if self.warm_window is None else prompt.shape[0] - self.warm_window)
+        stop = start + hidden.shape[0]
+        if first < stop:
+            warm_adjacency(self.matrix, prompt[first:stop], hidden[first - start:], head)
 
     def learnt(self) -> SourcePriors:
         """The root template's rates and weights pooled by rank."""
