@@ -165,7 +165,7 @@ class Batch:
     def step(self) -> list[Request]:
         """One decode step for every request (its forward carrying the next chunk of a prompt being
         read); returns those that finished (their rows freed) or were done at their first token."""
-        started, self.last_step, read, reading, chunk = [], None, False, None, 0
+        self.last_step, read, reading, chunk = None, False, None, 0
         if self.prefilling is None:
             read = self._read_drafter()     # no prompt chunk this step: a new row's drafter reads instead
         elif not self.rows:                 # nothing decodes: read the rest of the prompt and start it
@@ -175,7 +175,7 @@ class Batch:
         else:                               # its next chunk rides in the rows' verify forward
             reading, chunk, read = self.prefilling, self.chunk(), True
         if not self.rows:
-            return started
+            return []
         size = len(self.rows)
         config = self.plan(max([size, *self._recent]) if self.hold else size)
         self._recent.append(size)
@@ -193,8 +193,8 @@ class Batch:
         if reading is not None and reading.read_all:    # its last chunk: it decodes from the next step on
             self.prefilling = None
             self._started(reading)
-            started = [reading.request] if reading.request.done else []
-        return started + finished
+            finished += [reading.request] if reading.request.done else []
+        return finished
 
     def chunk(self) -> int:
         """The prompt tokens the next step reads: ``prefill_chunk``, fewer where they would take

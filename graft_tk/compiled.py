@@ -168,8 +168,7 @@ class StepForward:
         return logits if hidden_layers is None else (logits, torch.cat(hidden, dim=1))
 
     def packed(self, parts: Sequence[Part], attention=None) -> list:
-        """Several parts in one forward (``Transformer.forward_packed``), eagerly: a decode step
-        that carries a prompt's chunk, a shape no graph is kept for."""
+        """Several parts in one forward (``Transformer.forward_packed``, always eager)."""
         return self.net.forward_packed(parts, attention)
 
     def __call__(self, tokens: Tensor, positions: Tensor, plan: AttentionPlan | int, logits_at=None,

@@ -112,8 +112,9 @@ class Prefill:
 
     def parts(self, tokens: int) -> list[Part]:
         """The next ``tokens`` of the prompt as parts of a packed forward (``Transformer.forward_packed``:
-        the chunk rides in a decode step's verify), cut where ``read`` cuts its forwards; the
-        forward's outputs for them go to ``took``."""
+        the chunk rides in a decode step's verify), cut at multiples of exact mode's PREFILL_GRID
+        (every reading of a prompt runs the same forwards), else of EAGER_PREFILL_CHUNK (its
+        activations stay small); the forward's outputs for them go to ``took``."""
         grid = exact.PREFILL_GRID if self.runtime.exact else EAGER_PREFILL_CHUNK
         parts, device, s, stop = [], self.prompt.device, self.tokens_read, self._stop(tokens)
         while s < stop:
@@ -139,9 +140,10 @@ class Prefill:
         the sources that warm from the prompt read its last layer's states now, as it arrives."""
         self.logits, features = (out, None) if self.taken is None else out
         if self.warmers:
-            target, dim = self.runtime.target.net, self.runtime.target.net.config.dim
+            net = self.runtime.target.net
+            dim = net.config.dim
             for source in self.warmers:
-                source.warm(self.prompt[0], features[0, :, -dim:], target.logits, start=self.tokens_read)
+                source.warm(self.prompt[0], features[0, :, -dim:], net.logits, start=self.tokens_read)
             features = features[..., :-dim] if self.layers is not None else None
         if features is not None:
             self.hidden.append(features[0])

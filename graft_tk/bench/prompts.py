@@ -2,8 +2,9 @@
 ten grade-school math word problems written for this project (``math``; ``math#6`` is the first six, the
 rest tune per-workload calibrations without touching them).
 
-Spec-Bench is not copied into this repo: its path comes from ``$GRAFT_TK_SPEC_BENCH`` or defaults
-to ``../shared/data/spec_bench/question.jsonl`` beside the checkout.
+Spec-Bench is not copied into this repo: point ``$GRAFT_TK_SPEC_BENCH`` at its ``question.jsonl``
+(without it, a ``shared/data/spec_bench/question.jsonl`` in the checkout's parent folder is used if
+there is one).
 """
 from __future__ import annotations
 

@@ -221,8 +221,8 @@ def time_split(metrics: Metrics) -> dict:
     """Where the decode thread's time went: prefills (a request's arrival to its first token), and
     steps by (requests in the step, budget N, "+chunk" where its forward read a prompt's chunk too)."""
     out = {"prefill": {"seconds": metrics.phase_seconds["prefill"]}}
-    for (size, budget, chunk), n in sorted(metrics.batch_steps.items()):
-        key = (size, budget, chunk)
+    for key, n in sorted(metrics.batch_steps.items()):
+        size, budget, chunk = key
         out[f"B{size} N{budget}" + (" +chunk" if chunk else "")] = {
             "steps": n, "seconds": metrics.batch_step_seconds[key], "tokens": metrics.batch_step_tokens[key]}
     return out

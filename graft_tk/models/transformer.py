@@ -383,8 +383,7 @@ class Transformer(nn.Module):
         plan.check(B, T, cache_len)
         if positions.dim() == 1:
             positions = positions[None].expand(B, -1)
-        if hidden_layers is not None and not (hidden_layers and all(0 <= i < len(self.layers) for i in hidden_layers)):
-            raise InputError(f"hidden_layers must be layer indices in [0, {len(self.layers)}), got {hidden_layers}")
+        self._check_hidden_layers(hidden_layers)
         attention = attention or reference_attention
         x = self.tok_embeddings(tokens)
         cos, sin = (self.rope if rope is None else rope).at(positions)
@@ -398,15 +397,19 @@ class Transformer(nn.Module):
             return logits
         return logits, torch.cat([taken[i] for i in hidden_layers], dim=-1)
 
-    def forward_packed(self, parts: Sequence[Part], attention: Callable | None = None,
-                       kv: Tensor | None = None) -> list[Tensor | tuple[Tensor, Tensor]]:
+    def _check_hidden_layers(self, hidden_layers: tuple[int, ...] | None) -> None:
+        if hidden_layers is not None and not (hidden_layers and all(0 <= i < len(self.layers) for i in hidden_layers)):
+            raise InputError(f"hidden_layers must be layer indices in [0, {len(self.layers)}), got {hidden_layers}")
+
+    def forward_packed(self, parts: Sequence[Part], attention: Callable | None = None
+                       ) -> list[Tensor | tuple[Tensor, Tensor]]:
         """Several parts' new tokens in ONE forward: what ``forward`` returns for each, in order
         (its ``logits_at`` and ``hidden_layers``). The parts' rows are stacked for every linear
         layer (each weight read once: on a CPU a decode step's weight read is most of its cost,
         and a prompt chunk's GEMM takes a few more rows nearly free) and each part attends over
         its own cache rows with its own plan, in order: a later part of the same row sees what
-        an earlier one wrote."""
-        kv = self.kv if kv is None else kv
+        an earlier one wrote. Eager only (a step carrying a chunk, a shape no graph is kept for)."""
+        kv = self.kv
         if kv is None:
             raise RuntimeError("the model has no KV cache; call setup_cache first")
         packed = []
@@ -416,8 +419,7 @@ class Transformer(nn.Module):
             if not 0 <= start < stop <= kv.shape[2] or stop - start != b:
                 raise InputError(f"a part of {b} rows reads cache rows {p.rows}; the cache has {kv.shape[2]}")
             p.plan.check(b, t, kv.shape[4])
-            if p.hidden_layers is not None and not all(0 <= i < len(self.layers) for i in p.hidden_layers):
-                raise InputError(f"hidden_layers must be layer indices in [0, {len(self.layers)}), got {p.hidden_layers}")
+            self._check_hidden_layers(p.hidden_layers)
             packed.append(_Packed(p, *self.rope.at(p.positions)))
         x = self.tok_embeddings(torch.cat([p.tokens.reshape(-1) for p in parts]))
         taken: dict[int, Tensor] = {}
